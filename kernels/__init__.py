@@ -1,0 +1,14 @@
+"""Compute ops the models call, behind one dispatch point.
+
+`ops.<name>(...)` runs the implementation registered for the device of the first tensor
+argument, falling back to the portable torch implementation. The models only ever call
+`ops`, so a Triton (CUDA) version of an op is added by registering it, without touching
+a model.
+"""
+
+from vlmserve.kernels.registry import ops, register
+
+# importing the modules registers their implementations
+from vlmserve.kernels import attention, norms, rotary  # noqa: E402,F401
+
+__all__ = ["ops", "register"]

@@ -1,0 +1,24 @@
+"""What one forward pass of a language model needs besides its inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vlmserve.kernels.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    """Per-layer views the runner prepares for one step.
+
+    kv_caches[layer]: (keys, values) tensors of the layer's KV cache group;
+    attn_metadata[layer]: the metadata of that group (shared by its layers);
+    layer_state[layer]: model-specific per-layer step data (e.g. recurrent-state slots).
+    """
+
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    attn_metadata: dict[int, AttentionMetadata]
+    layer_state: dict[int, Any] = field(default_factory=dict)

@@ -1,0 +1,112 @@
+"""Building blocks shared by the model families."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.kernels import ops
+from vlmserve.kernels.attention import AttentionMetadata
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, sections: list[int], interleaved: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [tokens, 2 * len(inv_freq)] for M-RoPE positions [3, tokens].
+
+    Each frequency takes its angle from one of the temporal/height/width positions:
+    in consecutive sections (Qwen2-VL, Qwen2.5-VL) or interleaved t,h,w,t,h,w,...
+    with the temporal axis keeping the remainder (Qwen3-VL, Qwen3.5).
+    """
+    freqs = positions.float()[:, :, None] * inv_freq[None, None, :]  # [3, tokens, dim/2]
+    if interleaved:
+        merged = freqs[0].clone()
+        for axis in (1, 2):
+            idx = slice(axis, sections[axis] * 3, 3)
+            merged[..., idx] = freqs[axis][..., idx]
+    else:
+        merged = torch.cat([freqs[i % 3][..., part] for i, part in enumerate(_section_slices(sections))], dim=-1)
+    emb = torch.cat((merged, merged), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _section_slices(sections: list[int]) -> list[slice]:
+    slices, start = [], 0
+    for size in sections:
+        slices.append(slice(start, start + size))
+        start += size
+    return slices
+
+
+class PagedAttention(nn.Module):
+    """Causal self-attention of one decoder layer over its KV cache group."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = q.shape[0]
+        out = ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return out.reshape(n, self.q_size)

@@ -1,0 +1,287 @@
+"""Qwen2.5-VL: vision tower with window attention, 2-D
+rotary and patch merger; language model with M-RoPE and full/sliding-window layers.
+
+Module names follow the HF checkpoint (`model.visual.*`, `model.language_model.*`,
+`lm_head`), except that q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from vlmserve.kernels import ops
+from vlmserve.models.context import ForwardContext
+from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
+from vlmserve.multimodal.inputs import MultiModalFeature
+
+
+# ----------------------------------------------------------------------------- vision
+def vision_rotary_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(row, col) of every patch, patches ordered merge-block by merge-block: [patches, 2]."""
+    out = []
+    for t, h, w in grid_thw:
+        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        rows = rows.permute(0, 2, 1, 3).reshape(-1)
+        cols = cols.permute(0, 2, 1, 3).reshape(-1)
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def vision_windows(
+    grid_thw: list[tuple[int, int, int]], merge: int, window_units: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Reorders merged patch units window by window (window_units x window_units each,
+    clipped at the edges) and gives the window lengths in patches."""
+    order, lengths, base = [], [], 0
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        index = np.arange(t * gh * gw).reshape(t, gh, gw)
+        for frame in range(t):
+            for r in range(0, gh, window_units):
+                for c in range(0, gw, window_units):
+                    cell = index[frame, r : r + window_units, c : c + window_units].reshape(-1)
+                    order.append(cell + base)
+                    lengths.append(cell.size * merge * merge)
+        base += t * gh * gw
+    return torch.from_numpy(np.concatenate(order)), lengths
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q = ops.apply_rotary(q.float(), cos, sin).to(x.dtype)
+        k = ops.apply_rotary(k.float(), cos, sin).to(x.dtype)
+        out = ops.varlen_attention(q, k, v, seq_lens, self.head_dim**-0.5)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
+
+    def forward(self, x, cos, sin, seq_lens):
+        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge * merge
+        self.ln_q = RMSNorm(context_dim, 1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+
+    def forward(self, x):
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.merge = cfg.spatial_merge_size
+        self.window_units = cfg.window_size // self.merge // cfg.patch_size
+        self.full_blocks = set(cfg.fullatt_block_indexes)
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        # a Conv3d whose kernel equals its stride is a matmul over flattened patches
+        self.patch_embed = nn.Linear(patch_dim, cfg.hidden_size, bias=False)
+        head_dim = cfg.hidden_size // cfg.num_heads
+        theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim // 2, theta), persistent=False)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
+        unit = self.merge * self.merge
+        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
+        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)  # [n, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
+        order, window_lens = vision_windows(grid_thw, self.merge, self.window_units)
+        order = order.to(x.device)
+
+        def by_window(y: torch.Tensor) -> torch.Tensor:
+            return y.view(-1, unit, y.shape[-1])[order].reshape(-1, y.shape[-1])
+
+        x, cos, sin = by_window(x), by_window(cos), by_window(sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frame_lens if i in self.full_blocks else window_lens)
+        return self.merger(x)[torch.argsort(order)]
+
+
+# ----------------------------------------------------------------------------- text
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.self_attn = PagedAttention(
+            layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, qkv_bias=True
+        )
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        n = x.shape[0]
+        q = ops.apply_rotary(q.view(n, attn.num_heads, attn.head_dim), cos, sin)
+        k = ops.apply_rotary(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)
+        v = v.view(n, attn.num_kv_heads, attn.head_dim)
+        lid = attn.layer_id
+        o = attn.attend(q, k, v, ctx.kv_caches[lid], ctx.attn_metadata[lid])
+        x = x + attn.o_proj(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = cfg.rope_parameters or {}
+        self.mrope_section = list(rope.get("mrope_section", [16, 24, 24]))
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope.get("rope_theta", 1e6)), persistent=False)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section)
+        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+# ----------------------------------------------------------------------------- model
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = config.text_config
+        self.model = nn.Module()
+        self.model.visual = VisionTransformer(config.vision_config)
+        self.model.language_model = TextModel(self.text_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    # -- what the runner asks of a model ------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        specs: dict[int, KVCacheSpec] = {}
+        for i, kind in enumerate(layer_types):
+            common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=head_dim, dtype=dtype)
+            if kind == "sliding_attention" and cfg.sliding_window:
+                specs[i] = SlidingWindowSpec(**common, sliding_window=cfg.sliding_window)
+            else:
+                specs[i] = FullAttentionSpec(**common)
+        return specs
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Runs the vision tower once over all given items; one [length, hidden] each."""
+        pixels = torch.cat([f.data["pixel_values"] for f in features])
+        grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
+        out = self.model.visual(pixels, grids)
+        return list(out.split([f.length for f in features]))
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.language_model(embeds, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.T
+
+    # -- positions -------------------------------------------------------------------
+    @staticmethod
+    def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, len(token_ids)] and the delta that continues them in decode.
+
+        Text advances all three axes by one per token; a media item at position p gets
+        (p + t * interval, p + row, p + col) over its merged grid, and the text after it
+        resumes at p + max(rows, cols), as in transformers' get_rope_index.
+        """
+        merge = config.vision_config.spatial_merge_size
+        tokens_per_second = getattr(config.vision_config, "tokens_per_second", 1)
+        n = len(token_ids)
+        pos = torch.empty(3, n, dtype=torch.long)
+        cur, idx = 0, 0
+        for f in features:
+            pos[:, idx : f.offset] = torch.arange(f.offset - idx) + cur
+            cur += f.offset - idx
+            t, h, w = (int(x) for x in f.data["grid_thw"])
+            gh, gw = h // merge, w // merge
+            interval = 1
+            if f.modality == "video":
+                interval = tokens_per_second * torch.tensor(f.data.get("second_per_grid_t", 1.0), dtype=torch.float32)
+            tpos = (torch.arange(t) * interval).long() + cur
+            grid = torch.stack(
+                torch.meshgrid(tpos, torch.arange(gh) + cur, torch.arange(gw) + cur, indexing="ij")
+            ).reshape(3, -1)
+            pos[:, f.offset : f.end] = grid
+            cur += max(h, w) // merge
+            idx = f.end
+        pos[:, idx:] = torch.arange(n - idx) + cur
+        delta = int(pos.max()) + 1 - n if n else 0
+        return pos, delta
+
+    # -- weights ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            name = _canonical_name(name)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name.endswith("patch_embed.proj.weight"):
+                loader.copy(name.replace("proj.weight", "weight"), tensor.reshape(tensor.shape[0], -1))
+                continue
+            for part, (fused, index) in FUSED_PROJECTIONS.items():
+                if part in name:
+                    loader.copy_shard(name.replace(part, fused), tensor, index)
+                    break
+            else:
+                loader.copy(name, tensor)
+        loader.check_all_loaded()
+
+
+def _canonical_name(name: str) -> str:
+    """Maps the older layout (`visual.*`, `model.layers.*`) to the current one."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
+        return "model.language_model." + name[len("model.") :]
+    return name

@@ -1,0 +1,23 @@
+"""HF `architectures` name -> vlmserve model class (imported on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type:
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(f"vlmserve.models.{module}"), cls)
+    raise ValueError(
+        f"unsupported model architecture {architectures}; vlmserve supports {supported_architectures()}"
+    )

@@ -1,0 +1,84 @@
+"""Reading HF safetensors checkpoints into vlmserve's modules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# checkpoint projection -> (fused module, shard index): q/k/v and gate/up run as one matmul
+FUSED_PROJECTIONS = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into parameters, checking shapes and completeness.
+
+    Fused parameters (qkv_proj, gate_up_proj) are filled shard by shard; the shard
+    sizes come from the module (q_size/kv_size, or two equal halves).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.loaded: set[str] = set()
+        self.shards_loaded: dict[str, set[int]] = {}
+
+    def copy(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._param(name)
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        self.loaded.add(name)
+
+    def copy_shard(self, name: str, tensor: torch.Tensor, index: int) -> None:
+        param = self._param(name)
+        module = self.model.get_submodule(name.rsplit(".", 2)[0])
+        if hasattr(module, "q_size"):
+            sizes = [module.q_size, module.kv_size, module.kv_size]
+        else:
+            sizes = [param.shape[0] // 2] * 2
+        start = sum(sizes[:index])
+        if tensor.shape[0] != sizes[index] or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"{name} shard {index}: checkpoint shape {tuple(tensor.shape)} does not fit")
+        with torch.no_grad():
+            param[start : start + sizes[index]].copy_(tensor)
+        done = self.shards_loaded.setdefault(name, set())
+        done.add(index)
+        if len(done) == len(sizes):
+            self.loaded.add(name)
+
+    def _param(self, name: str) -> nn.Parameter:
+        if name not in self.params:
+            raise KeyError(f"checkpoint weight {name!r} has no place in {type(self.model).__name__}")
+        return self.params[name]
+
+    def check_all_loaded(self) -> None:
+        missing = sorted(set(self.params) - self.loaded)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny checkpoints built once per session, transformers references."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlmserve.testing.checkpoints import build_qwen2_5_vl
+
+torch.set_num_threads(2)
+
+
+def make_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(img: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+@pytest.fixture(scope="session")
+def qwen25_path(tmp_path_factory):
+    """Tiny Qwen2.5-VL: 3 layers, the last one sliding-window (32 tokens), vision depth 2."""
+    return str(build_qwen2_5_vl(tmp_path_factory.mktemp("qwen25")))
+
+
+class HFReference:
+    """transformers' own model and processor for a checkpoint: the numerical reference."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache: dict = {}
+
+    def prompt(self, text: str, n_images: int = 0) -> str:
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        return self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    def inputs(self, prompt: str, images: list[Image.Image]):
+        return self.processor(text=[prompt], images=images or None, return_tensors="pt")
+
+    @torch.no_grad()
+    def generate(self, prompt: str, images: list[Image.Image], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy tokens and the log-probabilities of each step."""
+        key = (prompt, tuple(png_bytes(i) for i in images), max_new_tokens)
+        if key not in self._cache:
+            inp = self.inputs(prompt, images)
+            out = self.model.generate(
+                **inp, max_new_tokens=max_new_tokens, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, inp["input_ids"].shape[1]:].tolist()
+            logprobs = torch.log_softmax(torch.stack([l[0] for l in out.logits]).float(), dim=-1)
+            self._cache[key] = (tokens, logprobs)
+        return self._cache[key]
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], torch.Tensor]:
+        inp = self.inputs(prompt, images)
+        logits = self.model(**inp).logits[0]
+        return inp["input_ids"][0].tolist(), torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen25(qwen25_path):
+    return HFReference(qwen25_path)

@@ -1,0 +1,119 @@
+"""vlmserve vs transformers on a tiny random-weight Qwen2.5-VL: greedy tokens equal,
+prompt and sampled logprobs within 1e-4 (fp32), in every scheduling situation."""
+
+import pytest
+import torch
+
+from conftest import make_image
+from vlmserve import LLM, SamplingParams
+
+TOL = 1e-4
+LONG_TEXT = "Describe the image. The quick brown fox jumps over the lazy dog. " * 3
+IMG_A = make_image(130, 100, seed=1)
+IMG_B = make_image(90, 180, seed=2)
+IMG_C = make_image(130, 100, seed=3)  # same size as A, other pixels
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, **kw)
+
+
+def check(out, hf, text, images, max_tokens, prompt_logprobs=False):
+    prompt = hf.prompt(text, len(images))
+    ref_tokens, ref_lp = hf.generate(prompt, images, max_tokens)
+    got = out.outputs[0]
+    assert got.token_ids == ref_tokens
+    chosen = torch.tensor([e.logprobs[0] for e in got.logprobs])
+    expected = ref_lp[torch.arange(len(ref_tokens)), torch.tensor(ref_tokens)]
+    assert torch.allclose(chosen, expected, atol=TOL), (chosen - expected).abs().max()
+    if prompt_logprobs:
+        ids, ref = hf.prompt_logprobs(prompt, images)
+        assert out.prompt_token_ids == ids
+        assert len(out.prompt_logprobs) == len(ids) - 1
+        for pos, entry in enumerate(out.prompt_logprobs):
+            full = torch.empty(ref.shape[1])
+            full[torch.tensor(entry.token_ids[1:])] = torch.tensor(entry.logprobs[1:])
+            assert torch.allclose(full, ref[pos], atol=TOL), (pos, (full - ref[pos]).abs().max())
+
+
+def request(hf, text, images):
+    return {"prompt": hf.prompt(text, len(images)), "multi_modal_data": {"image": images}}
+
+
+CASES = {
+    "text": (LONG_TEXT, []),
+    "one_image": ("Describe the image.", [IMG_A]),
+    "two_images": ("What is in this picture? " * 2, [IMG_A, IMG_B]),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen25_path):
+    return LLM(qwen25_path, num_kv_blocks=256)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_single_request_matches_transformers(llm, hf_qwen25, case):
+    text, images = CASES[case]
+    out = llm.generate(request(hf_qwen25, text, images), greedy(prompt_logprobs=-1))[0]
+    assert out.num_prompt_tokens > 32  # longer than the sliding window of the last layer
+    check(out, hf_qwen25, text, images, 16, prompt_logprobs=True)
+
+
+def mixed_requests(hf):
+    specs = [
+        ("Describe the image.", [IMG_A], 12),
+        (LONG_TEXT, [], 20),
+        ("How many shapes are there?", [IMG_B], 8),
+        ("What is in this picture?", [IMG_A, IMG_B], 16),
+        ("Hello world", [], 5),
+        ("Describe the image.", [IMG_C], 16),
+        ("Answer the question. " * 4, [IMG_B, IMG_A], 10),
+        ("a small red circle", [IMG_C], 14),
+    ]
+    return specs, [request(hf, t, i) for t, i, _ in specs], [greedy(n) for _, _, n in specs]
+
+
+def test_eight_mixed_requests_together(llm, hf_qwen25):
+    specs, prompts, params = mixed_requests(hf_qwen25)
+    outs = llm.generate(prompts, params)
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen25, text, images, n)
+
+
+def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
+    llm = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=7)
+    text, images = CASES["two_images"]
+    out = llm.generate(request(hf_qwen25, text, images), greedy(prompt_logprobs=-1))[0]
+    check(out, hf_qwen25, text, images, 16, prompt_logprobs=True)
+    # both images (20 and 24 embeddings) were cut across several 7-token steps
+    assert llm.engine.engine_core.num_steps > out.num_prompt_tokens // 7
+    assert llm.engine.encoder_runs == 2
+
+
+def test_prefix_cache_hit_reuses_kv_and_skips_the_encoder(qwen25_path, hf_qwen25):
+    llm = LLM(qwen25_path, num_kv_blocks=256)
+    text = "Describe the image. " * 3
+    first = llm.generate(request(hf_qwen25, text, [IMG_A]), greedy())[0]
+    assert first.num_cached_tokens == 0 and llm.engine.encoder_runs == 1
+    second = llm.generate(request(hf_qwen25, text, [IMG_A]), greedy())[0]
+    assert second.num_cached_tokens > 0
+    assert second.num_cached_tokens == (second.num_prompt_tokens - 1) // 16 * 16
+    assert llm.engine.encoder_runs == 1  # not run again
+    check(second, hf_qwen25, text, [IMG_A], 16)
+    # a different picture behind the same placeholder tokens: no hit past the image start
+    other = llm.generate(request(hf_qwen25, text, [IMG_C]), greedy())[0]
+    assert other.prompt_token_ids == second.prompt_token_ids
+    assert other.num_cached_tokens == 0  # the image starts inside block 0
+    assert llm.engine.encoder_runs == 2
+    check(other, hf_qwen25, text, [IMG_C], 16)
+
+
+def test_preemption_with_a_tiny_kv_cache(qwen25_path, hf_qwen25):
+    llm = LLM(qwen25_path, num_kv_blocks=24, max_num_seqs=8)
+    specs, prompts, params = mixed_requests(hf_qwen25)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen25, text, images, n)
+    assert llm.engine.stats().blocks_in_use == [0, 0]

@@ -1,0 +1,232 @@
+"""Scheduler invariants, with a stand-in for the model runner (no tensors involved)."""
+
+import random
+
+import pytest
+import torch
+
+from vlmserve.config import SchedulerConfig
+from vlmserve.core.encoder_cache_manager import EncoderCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, group_layers
+from vlmserve.core.kv_cache_utils import make_block_hasher
+from vlmserve.core.sched_output import ModelRunnerOutput
+from vlmserve.core.scheduler import Scheduler
+from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, window=None, enc_budget=64, enc_cache=64, max_len=512):
+    specs = {0: FullAttentionSpec(BS, 1, 4, torch.float32)}
+    if window:
+        specs[1] = SlidingWindowSpec(BS, 1, 4, torch.float32, sliding_window=window)
+    config = KVCacheConfig(num_blocks, group_layers(specs))
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
+        encoder_compute_budget=enc_budget, encoder_cache_size=enc_cache,
+    )
+    return Scheduler(sched_config, KVCacheManager(config, max_len), EncoderCacheManager(enc_cache))
+
+
+def make_request(rid, prompt_len, max_tokens, images=(), priority=0, arrival=None, seed=0):
+    rng = random.Random(seed)
+    tokens = [rng.randint(5, 50) for _ in range(prompt_len)]
+    feats = []
+    for h, off, n in images:
+        tokens[off : off + n] = [99] * n
+        feats.append(MultiModalFeature("image", h, off, n, {}))
+    return Request(
+        rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), EOS, feats,
+        arrival_time=arrival, priority=priority, block_hasher=make_block_hasher(BS),
+    )
+
+
+class FakeRunner:
+    """Samples a token for every request whose scheduled range reaches its last token."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.encoded: list[str] = []
+
+    def execute(self, so):
+        ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            for i in so.scheduled_encoder_inputs.get(rid, []):
+                self.encoded.append(req.mm_features[i].mm_hash)
+            ids.append(rid)
+            # num_computed_tokens was already advanced by schedule()
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled)
+
+
+def run_to_completion(sched, runner, on_step=None, max_steps=2000):
+    steps = 0
+    while sched.has_requests():
+        so = sched.schedule()
+        assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+        assert len(sched.running) <= sched.config.max_num_seqs
+        sched.update_from_output(so, runner.execute(so))
+        if on_step:
+            on_step(steps, so)
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def assert_everything_free(sched):
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == kv.config.num_blocks - 1
+    assert all(not blocks for m in kv.managers for blocks in m.req_to_blocks.values())
+    assert sched.encoder_cache_manager.num_referenced() == 0
+    assert not sched.requests and not sched.running and not sched.waiting
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_respects_budget_and_frees_everything(seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=rng.choice([24, 40, 200]), budget=rng.choice([8, 16, 64]),
+                           window=rng.choice([None, 8]))
+    runner = FakeRunner(sched)
+    reqs = []
+    for i in range(20):
+        n = rng.randint(3, 60)
+        images = []
+        if n > 20 and rng.random() < 0.6:
+            images = [(f"img{rng.randint(0, 3)}", rng.randint(0, 5), rng.randint(4, 12))]
+        reqs.append(make_request(f"r{i}", n, rng.randint(1, 12), images, priority=rng.randint(0, 2), seed=i))
+        sched.add_request(reqs[-1])
+    to_abort = {r.request_id for r in rng.sample(reqs, 5)}
+
+    def abort_some(step, so):
+        # abort at any point: waiting, mid-prefill, decoding
+        for rid in list(to_abort):
+            if rng.random() < 0.3:
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                to_abort.discard(rid)
+
+    run_to_completion(sched, runner, abort_some)
+    for r in reqs:
+        assert r.is_finished()
+        if r.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert_everything_free(sched)
+
+
+def test_abort_mid_prefill_frees_blocks_and_encoder_refs():
+    sched = make_scheduler(budget=8)
+    runner = FakeRunner(sched)
+    r = make_request("a", 40, 5, [("img", 10, 20)])
+    sched.add_request(r)
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    so = sched.schedule()  # this chunk reaches the image: encoder scheduled, reference taken
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    assert sched.encoder_cache_manager.num_referenced() == 1
+    sched.update_from_output(so, runner.execute(so))
+    assert 0 < r.num_computed_tokens < r.num_prompt_tokens
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert r.get_finished_reason().value == "abort"
+    assert_everything_free(sched)
+    assert "a" in sched.schedule().finished_req_ids  # the runner is told
+
+
+def test_chunked_prefill_cuts_through_an_image_and_encodes_it_once():
+    sched = make_scheduler(budget=8)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 40, 2, [("img", 5, 20)]))
+    chunks = []
+    run_to_completion(sched, runner, lambda s, so: chunks.append(so.num_scheduled_tokens.get("a", 0)))
+    assert chunks[:5] == [8, 8, 8, 8, 8] and runner.encoded == ["img"]
+
+
+def test_encoder_cache_hit_skips_the_encoder_for_a_repeated_image():
+    sched = make_scheduler(budget=64)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 30, 2, [("img", 2, 10)], seed=1))
+    run_to_completion(sched, runner)
+    sched.add_request(make_request("b", 30, 2, [("img", 2, 10)], seed=2))  # other text, same image
+    run_to_completion(sched, runner)
+    assert runner.encoded == ["img"]
+    assert sched.encoder_cache_manager.stats.hits == 1
+
+
+def test_encoder_budget_stops_the_step_before_the_image():
+    sched = make_scheduler(budget=64, enc_budget=16, enc_cache=16)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 40, 2, [("i1", 2, 12), ("i2", 20, 12)]))
+    so = sched.schedule()
+    # i2 does not fit the step's encoder budget after i1: the step ends at its placeholder
+    assert so.scheduled_encoder_inputs == {"a": [0]} and so.num_scheduled_tokens["a"] == 20
+    sched.update_from_output(so, runner.execute(so))
+    run_to_completion(sched, runner)
+    assert runner.encoded == ["i1", "i2"]
+
+
+def test_waiting_requests_go_by_priority_then_arrival():
+    sched = make_scheduler(budget=10, max_seqs=1)
+    runner = FakeRunner(sched)
+    order = []
+    for rid, prio, t in [("late-hi", 0, 3.0), ("low", 5, 1.0), ("early-hi", 0, 2.0)]:
+        sched.add_request(make_request(rid, 5, 1, priority=prio, arrival=t))
+
+    def record(step, so):
+        for r in so.scheduled_new_reqs:
+            order.append(r.req_id)
+
+    run_to_completion(sched, runner, record)
+    assert order == ["early-hi", "late-hi", "low"]
+
+
+def test_preemption_when_blocks_run_out_and_everyone_finishes():
+    sched = make_scheduler(num_blocks=12, budget=64, max_seqs=8)
+    runner = FakeRunner(sched)
+    reqs = [make_request(f"r{i}", 10, 20, arrival=float(i), seed=i) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched, runner)
+    assert sched.num_preemptions > 0
+    assert all(r.num_output_tokens == 20 for r in reqs)
+    # the latest arrival is the one pushed out
+    assert reqs[-1].num_preemptions >= 1 and reqs[0].num_preemptions == 0
+    assert_everything_free(sched)
+
+
+def test_prefix_cache_hit_for_a_shared_prefix():
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    a = make_request("a", 30, 1, [("img", 4, 12)], seed=3)
+    sched.add_request(a)
+    run_to_completion(sched, runner)
+    b = make_request("b", 30, 1, [("img", 4, 12)], seed=3)
+    c = make_request("c", 30, 1, [("other", 4, 12)], seed=3)
+    sched.add_request(b)
+    sched.add_request(c)
+    run_to_completion(sched, runner)
+    assert b.num_cached_tokens == 28  # 7 full blocks; the last token is always recomputed
+    assert c.num_cached_tokens == 4  # only the block before the image
+    assert_everything_free(sched)
+
+
+def test_sliding_window_group_holds_a_bounded_number_of_blocks():
+    window = 8
+    sched = make_scheduler(window=window, budget=16)
+    runner = FakeRunner(sched)
+    r = make_request("a", 12, 60)
+    sched.add_request(r)
+    peak = [0, 0]
+
+    def watch(step, so):
+        if not r.is_finished():
+            held = sched.kv_cache_manager.num_held_blocks("a")
+            peak[0] = max(peak[0], held[0])
+            peak[1] = max(peak[1], held[1])
+
+    run_to_completion(sched, runner, watch)
+    assert peak[0] == -(-72 // BS)  # full attention keeps everything
+    assert peak[1] <= -(-window // BS) + 1
+    assert_everything_free(sched)

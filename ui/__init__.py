@@ -1,0 +1,1 @@
+"""Gradio chat UI (a later issue)."""

@@ -1,0 +1,1 @@
+"""The engine core: scheduler, KV cache manager, block pool, encoder cache manager."""

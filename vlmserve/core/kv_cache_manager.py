@@ -1,0 +1,153 @@
+"""The scheduler's interface to KV memory: prefix hits, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmserve.core.block_pool import BlockPool, KVCacheBlock
+from vlmserve.core.kv_cache_spec import KVCacheConfig
+from vlmserve.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
+from vlmserve.request import Request
+
+# per KV cache group, a request's blocks
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, per KV cache group (lookups are only made for new requests)."""
+
+    queries: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig, max_model_len: int, enable_caching: bool = True) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(config.num_blocks, enable_caching)
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_manager(g.spec, self.block_pool, i) for i, g in enumerate(config.groups)
+        ]
+        block_sizes = {g.spec.block_size for g in config.groups}
+        if len(block_sizes) != 1:
+            raise ValueError(f"all KV cache groups must share one block size, got {block_sizes}")
+        self.block_size = block_sizes.pop()
+        self.stats = PrefixCacheStats([0] * len(self.managers), [0] * len(self.managers))
+        self._last_lookup: tuple[str, list[int]] = ("", [])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return tuple([] for _ in self.managers)
+
+    # -- prefix cache ---------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix usable by every group, and its length in tokens.
+
+        The last prompt token is always recomputed: its logits give the first output.
+        Requests asking for prompt logprobs need every position computed, so they skip
+        the lookup.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return self.empty_blocks(), 0
+        max_length = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size)
+        length = max_length
+        first_pass: list[int] | None = None
+        while True:
+            hits = [m.find_longest_cache_hit(request.block_hashes, length) for m in self.managers]
+            lengths = [len(h) * self.block_size for h in hits]
+            if first_pass is None:
+                first_pass = lengths
+            shortest = min(lengths, default=0)
+            if shortest == length:
+                break
+            # a shorter hit in one group bounds all of them; ask every group again, since a
+            # sliding-window hit is not simply a prefix of a longer one
+            length = shortest
+        self._last_lookup = (request.request_id, first_pass)
+        return tuple(hits), length
+
+    def record_lookup(self, request: Request) -> None:
+        """Counts the last lookup of this request in the prefix-cache stats (once it is
+        scheduled, so a request that waits several steps is counted once)."""
+        rid, group_hits = self._last_lookup
+        if rid != request.request_id:
+            group_hits = [0] * self.num_groups
+        for g, hit in enumerate(group_hits):
+            self.stats.queries[g] += request.num_tokens
+            self.stats.hits[g] += hit
+
+    # -- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> KVCacheBlocks | None:
+        """Makes room for num_new_tokens more tokens; None if the pool cannot.
+
+        Prefix hits (new_computed_blocks, num_new_computed_tokens tokens) are taken
+        first. On success, the request's full blocks are registered in the prefix cache.
+        """
+        if new_computed_blocks is None:
+            new_computed_blocks = self.empty_blocks()
+        rid = request.request_id
+        for manager in self.managers:
+            manager.remove_skipped_blocks(rid, request.num_computed_tokens)
+
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = min(num_computed + num_new_tokens, self.max_model_len)
+        needed = sum(
+            m.get_num_blocks_to_allocate(rid, num_tokens, new_computed_blocks[g])
+            for g, m in enumerate(self.managers)
+        )
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+
+        new_blocks = []
+        for g, manager in enumerate(self.managers):
+            manager.save_new_computed_blocks(rid, new_computed_blocks[g])
+            new_blocks.append(manager.allocate_new_blocks(rid, num_tokens))
+        if self.enable_caching:
+            cacheable = min(num_tokens, request.num_tokens)
+            for manager in self.managers:
+                manager.cache_blocks(request, cacheable)
+        return tuple(new_blocks)
+
+    def free(self, request: Request) -> None:
+        for manager in self.managers:
+            manager.free(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    # -- views ---------------------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers)
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        return [m.num_held_blocks(request_id) for m in self.managers]
+
+    def blocks_in_use(self) -> list[int]:
+        """Blocks currently referenced by some request, per group."""
+        return [
+            len({b.block_id for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null})
+            for m in self.managers
+        ]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def max_blocks_for_request(self, num_tokens: int) -> int:
+        """Blocks one request of num_tokens needs at its peak, summed over groups."""
+        return sum(m.spec.max_blocks_for(num_tokens) for m in self.managers)

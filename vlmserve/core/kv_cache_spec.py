@@ -1,0 +1,90 @@
+"""What state each layer keeps, and how layers are grouped into KV cache groups."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    block_size: int
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """Most blocks one request of num_tokens holds in this group at once."""
+        return math.ceil(num_tokens / self.block_size)
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer (keys and values)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * elem
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    sliding_window: int  # a query sees itself and the sliding_window - 1 tokens before it
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        # the window can straddle one more block than it covers
+        return min(super().max_blocks_for(num_tokens), math.ceil(self.sliding_window / self.block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers with equal specs; they share block ids (each in its own tensor)."""
+
+    spec: KVCacheSpec
+    layer_ids: tuple[int, ...]
+
+
+def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
+    """Groups layers by spec, in order of first appearance."""
+    groups: dict[KVCacheSpec, list[int]] = {}
+    for layer_id, spec in layer_specs.items():
+        groups.setdefault(spec, []).append(layer_id)
+    return [KVCacheGroup(spec, tuple(ids)) for spec, ids in groups.items()]
+
+
+@dataclass
+class KVCacheConfig:
+    """The layout the KV cache manager and the model runner agree on.
+
+    One block pool is shared by all groups; block id b of group g lives in the tensors
+    of g's layers. Tensor slot j is shared by the j-th layer of every group, which
+    works because a block id belongs to one group at a time — so the memory budget is
+    num_blocks x page size x (layers in the largest group), whatever the mix of groups.
+    """
+
+    num_blocks: int
+    groups: list[KVCacheGroup]
+
+    @property
+    def num_tensor_slots(self) -> int:
+        return max((len(g.layer_ids) for g in self.groups if isinstance(g.spec, AttentionSpec)), default=0)
+
+    def tensor_slot_of_layer(self) -> dict[int, int]:
+        return {layer: j for g in self.groups for j, layer in enumerate(g.layer_ids)}
+
+
+def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int) -> int:
+    specs = [g.spec for g in groups if isinstance(g.spec, AttentionSpec)]
+    if not specs:
+        return 2
+    page = max(s.page_size_bytes for s in specs)
+    slots = max(len(g.layer_ids) for g in groups if isinstance(g.spec, AttentionSpec))
+    return max(2, memory_bytes // (page * slots))

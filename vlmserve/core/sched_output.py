@@ -1,0 +1,70 @@
+"""What the scheduler tells the model runner each step, and what comes back.
+
+Everything that crosses the scheduler/runner boundary is here. New requests carry
+their full data once; requests the runner already holds get deltas only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # per KV cache group
+    num_computed_tokens: int  # prefix-cache hit
+    mrope_positions: Any  # (3, num_prompt_tokens) tensor or None
+    mrope_delta: int
+    # tokens already generated before a preemption (recomputed with the prompt)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> indices into its mm_features whose encoder runs this step
+    scheduled_encoder_inputs: dict[str, list[int]]
+    finished_req_ids: set[str]  # finished or aborted since the last step
+    preempted_req_ids: set[str]
+    free_encoder_mm_hashes: list[str]
+
+
+@dataclass
+class LogprobsEntry:
+    """Top logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # one list per request; empty when the step ended inside the prompt
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    # req_id -> logprobs of every prompt position 1..n-1, once the whole prompt is done
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)

@@ -1,0 +1,362 @@
+"""Decides, every step, which requests compute how many tokens, and which media go
+through the encoder. It never touches a tensor: everything it decides is in a
+SchedulerOutput; everything it learns comes back in a ModelRunnerOutput."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vlmserve.config import SchedulerConfig
+from vlmserve.core.encoder_cache_manager import EncoderCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.request_queue import WaitingQueue
+from vlmserve.core.sched_output import (
+    CachedRequestData,
+    LogprobsEntry,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vlmserve.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsEntry] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    blocks_in_use: list[int]  # per KV cache group
+    num_free_blocks: int
+    kv_usage: float
+    prefix_cache_queries: list[int]  # tokens, per group, cumulative
+    prefix_cache_hits: list[int]
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        encoder_cache_manager: EncoderCacheManager,
+    ) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.encoder_cache_manager = encoder_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the runner next step
+        self.num_preemptions = 0
+
+    # -- requests in and out --------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step loop (abort, stop string, error)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def has_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        encoder_budget = self.config.encoder_compute_budget
+        num_scheduled: dict[str, int] = {}
+        encoder_inputs: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. running requests: decodes and the next chunks of prefills
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            to_encode: list[int] = []
+            if request.has_encoder_inputs:
+                to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
+                    request, request.num_computed_tokens, num_new, encoder_budget
+                )
+            if num_new == 0:
+                i += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                # out of blocks: preempt the lowest-priority, latest-arrived request
+                victim = max(self.running)
+                if victim is request:
+                    self._cancel_encoder_inputs(request, to_encode)
+                elif victim.request_id in num_scheduled:  # scheduled earlier in this step
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    scheduled_running.remove(victim)
+                    new_block_ids.pop(victim.request_id)
+                    victim_encodes = encoder_inputs.pop(victim.request_id, [])
+                    encoder_budget += sum(victim.mm_features[j].length for j in victim_encodes)
+                    self._cancel_encoder_inputs(victim, victim_encodes)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:  # the request preempted itself: nothing more fits
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in blocks)
+            token_budget -= num_new
+            if to_encode:
+                encoder_inputs[request.request_id] = to_encode
+            i += 1
+
+        # 2. waiting requests, by priority then arrival, unless memory just ran out
+        if not preempted:
+            while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting.peek()
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                num_new = self._num_new_tokens(request, num_hit, token_budget)
+                if num_new == 0:
+                    break
+                to_encode = []
+                if request.has_encoder_inputs:
+                    to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
+                        request, num_hit, num_new, encoder_budget
+                    )
+                    if num_new == 0:
+                        self._cancel_encoder_inputs(request, to_encode)
+                        break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
+                if blocks is None:
+                    self._cancel_encoder_inputs(request, to_encode)
+                    break
+                self.waiting.pop()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                    self.kv_cache_manager.record_lookup(request)
+                scheduled_new.append(request)
+                num_scheduled[request.request_id] = num_new
+                token_budget -= num_new
+                if to_encode:
+                    encoder_inputs[request.request_id] = to_encode
+
+        total = sum(num_scheduled.values())
+        assert total <= self.config.max_num_batched_tokens
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                mm_features=r.mm_features,
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+                mrope_positions=r.mrope_positions,
+                mrope_delta=r.mrope_delta,
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData()
+        for r in scheduled_running:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_encoder_inputs=encoder_inputs,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+        )
+        self.finished_req_ids = set()
+        # progress is counted at schedule time, so the next step can be planned at once
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and num_new > token_budget:
+            return 0
+        # the last position fed to the model must stay inside the context
+        num_new = min(num_new, token_budget, self.config.max_model_len - num_computed)
+        return max(num_new, 0)
+
+    def _schedule_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        """Media whose placeholders this step's token range reaches and whose encoder
+        output is not cached. If one does not fit the encoder budget or cache, the step
+        stops just before its placeholder."""
+        to_encode: list[int] = []
+        end = num_computed + num_new
+        for i, feature in enumerate(request.mm_features):
+            if feature.offset >= end:
+                break
+            if feature.end <= num_computed:
+                continue  # already in the KV cache
+            if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
+                continue  # the same picture twice in one request is encoded once
+            if self.encoder_cache_manager.check_and_update_cache(request, i):
+                continue
+            if not self.encoder_cache_manager.can_allocate(request, i, encoder_budget):
+                num_new = max(feature.offset - num_computed, 0)
+                break
+            self.encoder_cache_manager.allocate(request, i)
+            encoder_budget -= feature.length
+            to_encode.append(i)
+        return to_encode, num_new, encoder_budget
+
+    def _cancel_encoder_inputs(self, request: Request, input_ids: list[int]) -> None:
+        """Undoes _schedule_encoder_inputs for a request that did not make it into the step."""
+        for j in input_ids:
+            self.encoder_cache_manager.deallocate(request, j)
+        self.encoder_cache_manager.free(request)  # references taken on cache hits
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s", request.request_id)
+        self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request)
+
+    # -- results ----------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            self._free_finished_encoder_inputs(request)
+            index = runner_output.req_id_to_index[rid]
+            new_token_ids = runner_output.sampled_token_ids[index]
+            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+            if not new_token_ids and prompt_logprobs is None:
+                continue  # a prefill chunk that ended inside the prompt
+            kept: list[int] = []
+            for token_id in new_token_ids:
+                request.append_output_token_ids(token_id)
+                kept.append(token_id)
+                if self._check_stop(request):
+                    break
+            logprobs = runner_output.logprobs.get(rid)
+            output = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=kept,
+                finish_reason=request.get_finished_reason(),
+                stop_reason=request.stop_reason,
+                new_logprobs=[logprobs] if logprobs is not None and kept else [],
+                prompt_logprobs=prompt_logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if request.is_finished():
+                self.running.remove(request)
+                self._free_request(request)
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        if request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_finished_encoder_inputs(self, request: Request) -> None:
+        """Drops the request's reference on media now wholly in its KV cache."""
+        done = request.num_computed_tokens
+        needed_later = {f.mm_hash for f in request.mm_features if f.end > done}
+        for i, feature in enumerate(request.mm_features):
+            if feature.end <= done and feature.mm_hash not in needed_later:
+                self.encoder_cache_manager.free_encoder_input(request, i)
+
+    def _free_request(self, request: Request) -> None:
+        self.encoder_cache_manager.free(request)
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # -- views ---------------------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        enc = self.encoder_cache_manager.stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            blocks_in_use=kv.blocks_in_use(),
+            num_free_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=list(kv.stats.queries),
+            prefix_cache_hits=list(kv.stats.hits),
+            encoder_cache_hits=enc.hits,
+            encoder_cache_misses=enc.misses,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,1 @@
+"""Request flow around the core: input processing, engine loop, output processing."""

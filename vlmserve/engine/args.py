@@ -1,0 +1,40 @@
+"""Every knob of an engine, in one place, shared by the LLM class, the server and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    # scheduling
+    max_model_len: int | None = None  # default: the model's, capped by the KV cache
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory_gb: float = 0.5
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    # vision encoder, in embedding tokens
+    encoder_compute_budget: int = 8192
+    encoder_cache_size: int = 16384
+    # media
+    allowed_local_media_path: str | None = None
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 64 << 20
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {sorted(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,195 @@
+"""The engine every entry point drives: requests in, RequestOutputs out, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from vlmserve.config import CacheConfig, SchedulerConfig
+from vlmserve.core.encoder_cache_manager import EncoderCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers
+from vlmserve.core.kv_cache_utils import make_block_hasher
+from vlmserve.core.scheduler import Scheduler, SchedulerStats
+from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.engine_core import EngineCore
+from vlmserve.engine.input_processor import InputProcessor, PromptInput
+from vlmserve.engine.output_processor import OutputProcessor
+from vlmserve.multimodal.media import MediaLimits, MediaLoader
+from vlmserve.multimodal.processor import MultiModalProcessor
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.model_loader import load_model
+from vlmserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        raise ValueError("no model given: pass the path of a checkpoint folder")
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model!r} is not a checkpoint folder (no config.json); models are not downloaded")
+    return str(path)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.perf_counter()
+        self.args = args
+        if args.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {args.dtype!r}")
+        dtype = _DTYPES[args.dtype]
+        self.model_path = resolve_model_path(args.model)
+        torch.manual_seed(args.seed)
+
+        model, hf_config = load_model(self.model_path, dtype, args.device)
+        self.hf_config = hf_config
+        self.mm_processor = MultiModalProcessor(self.model_path, hf_config)
+        self.tokenizer = self.mm_processor.hf_processor.tokenizer
+
+        groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
+        num_blocks = args.num_kv_blocks or blocks_for_memory(groups, int(args.kv_cache_memory_gb * (1 << 30)))
+        kv_config = KVCacheConfig(num_blocks, groups)
+        max_model_len = self._max_model_len(hf_config, kv_config)
+        sched_config = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            encoder_compute_budget=args.encoder_compute_budget,
+            encoder_cache_size=args.encoder_cache_size,
+        )
+        self.scheduler_config = sched_config
+        self.cache_config = CacheConfig(args.block_size, num_kv_blocks=num_blocks,
+                                        enable_prefix_caching=args.enable_prefix_caching)
+        eos_ids = self._eos_token_ids(hf_config)
+        self.eos_token_id = eos_ids[0] if eos_ids else None
+        self.extra_eos_ids = eos_ids[1:]
+
+        runner = ModelRunner(model, hf_config, kv_config, sched_config, self.eos_token_id, args.device, args.seed)
+        kv_manager = KVCacheManager(kv_config, max_model_len, args.enable_prefix_caching)
+        encoder_manager = EncoderCacheManager(args.encoder_cache_size)
+        self.engine_core = EngineCore(Scheduler(sched_config, kv_manager, encoder_manager), runner)
+
+        media_loader = MediaLoader(
+            MediaLimits(
+                max_image_bytes=args.max_image_bytes,
+                max_image_pixels=args.max_image_pixels,
+                allowed_local_media_path=args.allowed_local_media_path,
+            )
+        )
+        self.input_processor = InputProcessor(
+            tokenizer=self.tokenizer,
+            mm_processor=self.mm_processor,
+            media_loader=media_loader,
+            model_cls=type(model),
+            hf_config=hf_config,
+            max_model_len=max_model_len,
+            eos_token_id=self.eos_token_id,
+            block_hasher=make_block_hasher(args.block_size),
+            max_media_tokens=min(args.encoder_compute_budget, args.encoder_cache_size),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.startup_seconds = time.perf_counter() - start
+        logger.info(
+            "engine ready in %.2fs: %d KV blocks of %d tokens, %d KV cache group(s), max_model_len %d",
+            self.startup_seconds, num_blocks, args.block_size, len(groups), max_model_len,
+        )
+
+    # -- setup helpers -------------------------------------------------------------------
+    def _max_model_len(self, hf_config, kv_config: KVCacheConfig) -> int:
+        text = getattr(hf_config, "text_config", hf_config)
+        model_len = getattr(text, "max_position_embeddings", 4096)
+        wanted = self.args.max_model_len or model_len
+        if wanted > model_len:
+            logger.warning("max_model_len %d exceeds the model's %d", wanted, model_len)
+        # a single request must always fit in the KV cache, or it could never finish
+        usable = kv_config.num_blocks - 1
+        fits = wanted
+        while fits > 1 and sum(g.spec.max_blocks_for(fits) for g in kv_config.groups) > usable:
+            fits = fits * 3 // 4
+        if fits < wanted:
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)
+        return fits
+
+    def _eos_token_ids(self, hf_config) -> list[int]:
+        gen_path = Path(self.model_path) / "generation_config.json"
+        eos = None
+        if gen_path.is_file():
+            import json
+
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is None:
+            eos = getattr(getattr(hf_config, "text_config", hf_config), "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict | PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError on bad input (nothing is kept)."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival_time = arrival_time or time.time()
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = params.with_stop_token_ids(self.extra_eos_ids)
+        first = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
+        inp = PromptInput.parse(prompt)
+        child_ids = self.output_processor.add_request(
+            request_id, inp.prompt, first.prompt_token_ids, params, arrival_time
+        )
+        for i, child_id in enumerate(child_ids):
+            # the samples share the processed prompt; only the ids and seeds differ
+            request = first if i == 0 else first.clone_as(child_id, params.for_child(i))
+            request.request_id = child_id
+            self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for rid in request_ids:
+            self.engine_core.abort_requests(self.output_processor.child_ids(rid))
+            out = self.output_processor.abort_request(rid)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.engine_core.abort_requests(stopped)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished() or self.engine_core.has_requests()
+
+    # -- views ---------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.engine_core.scheduler.make_stats()
+
+    @property
+    def encoder_runs(self) -> int:
+        return self.engine_core.runner.encoder_runs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,1 @@
+"""Ways into the engine: the offline LLM class, the OpenAI server, the CLI."""

@@ -1,0 +1,92 @@
+"""OpenAI-style chat messages -> (prompt text via the checkpoint's chat template, media).
+
+Content parts accepted: text; images as `image_url` ({"url": ...} or a string), `image`
+(a PIL image, numpy array, path or URL) or `image_pil`. The template only ever sees
+`{"type": "image"}` placeholders, so any Qwen-style template renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmserve.engine.input_processor import PromptInput
+
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
+
+
+@dataclass
+class ParsedChat:
+    messages: list[dict[str, Any]]  # normalised for the template
+    images: list[Any] = field(default_factory=list)
+    image_settings: list[dict[str, Any]] = field(default_factory=list)  # per image, e.g. detail
+
+
+def parse_chat_messages(messages: list[dict[str, Any]]) -> ParsedChat:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    parsed = ParsedChat(messages=[])
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+        role = message["role"]
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}")
+        content = message.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            parsed.messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+        parts = []
+        for j, part in enumerate(content):
+            parts.append(_parse_part(part, parsed, f"messages[{i}].content[{j}]"))
+        parsed.messages.append({"role": role, "content": parts})
+    return parsed
+
+
+def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if not isinstance(part, dict) or "type" not in part:
+        raise ValueError(f"{where} must be an object with a 'type'")
+    kind = part["type"]
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"{where}.text must be a string")
+        return {"type": "text", "text": text}
+    if kind in ("image_url", "image", "image_pil"):
+        value = part.get(kind)
+        settings: dict[str, Any] = {}
+        if isinstance(value, dict):  # {"url": ..., "detail": ...}
+            if value.get("detail") is not None:
+                settings["detail"] = value["detail"]
+            value = value.get("url")
+        if value is None:
+            raise ValueError(f"{where} has no {kind!r} value")
+        parsed.images.append(value)
+        parsed.image_settings.append(settings)
+        return {"type": "image"}
+    raise ValueError(f"{where}: unsupported content part type {kind!r}")
+
+
+def render_chat(
+    hf_processor,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> PromptInput:
+    parsed = parse_chat_messages(messages)
+    try:
+        prompt = hf_processor.apply_chat_template(
+            parsed.messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+    except Exception as e:  # a template error is the request's fault
+        raise ValueError(f"the chat template could not render these messages: {e}") from None
+    return PromptInput(prompt=prompt, images=parsed.images, image_settings=parsed.image_settings)

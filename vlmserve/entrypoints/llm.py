@@ -1,0 +1,75 @@
+"""Offline inference: `LLM(model=...).generate(...)` / `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.input_processor import PromptInput
+from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.entrypoints.chat_utils import render_chat
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs requests through the engine's continuous batching until all are done.
+
+    `model` is a checkpoint folder; every other keyword is an `EngineArgs` field
+    (max_num_seqs, max_num_batched_tokens, allowed_local_media_path, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | PromptInput | Sequence[str | dict | PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict, PromptInput)):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, priority)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of such lists)."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            render_chat(self.engine.mm_processor.hf_processor, conv, add_generation_prompt, chat_template_kwargs)
+            for conv in conversations
+        ]
+        return self._run(prompts, sampling_params, None)
+
+    def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # leave nothing behind from a rejected batch
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in ids]

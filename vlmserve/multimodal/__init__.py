@@ -1,0 +1,1 @@
+"""Media loading, hashing and processing."""

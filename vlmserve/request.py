@@ -1,0 +1,167 @@
+"""The engine's view of one request: tokens, media, sampling, status, progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Callable
+
+from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestStatus(enum.IntEnum):
+    # waiting states
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # structured output grammar compiling (not used yet)
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # KV arriving from another node (not used yet)
+    WAITING_FOR_STREAMING_REQ = enum.auto()  # resumable session waiting for input (not used yet)
+    # running states
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # finished states: everything after PREEMPTED
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+BlockHasher = Callable[["Request"], list[bytes]]
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        mm_features: list[MultiModalFeature] | None = None,
+        mrope_positions: Any = None,  # (3, num_prompt_tokens) tensor, opaque to the scheduler
+        mrope_delta: int = 0,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not looked up
+        self.num_preemptions = 0
+
+        self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
+        self.mrope_positions = mrope_positions
+        self.mrope_delta = mrope_delta
+
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
+
+    def clone_as(self, request_id: str, sampling_params: SamplingParams) -> Request:
+        """Another sample of the same (not yet started) prompt."""
+        clone = Request(
+            request_id,
+            self.prompt_token_ids,
+            sampling_params,
+            self.eos_token_id,
+            self.mm_features,
+            self.mrope_positions,
+            self.mrope_delta,
+            self.arrival_time,
+            self.priority,
+            self.cache_salt,
+            block_hasher=None,
+        )
+        clone._block_hasher = self._block_hasher
+        clone.block_hashes = list(self.block_hashes)
+        return clone
+
+    # -- tokens ---------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    # -- media ----------------------------------------------------------------
+    @property
+    def has_encoder_inputs(self) -> bool:
+        return bool(self.mm_features)
+
+    # -- status ---------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return self.status.finish_reason()
+
+    def __lt__(self, other: Request) -> bool:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        if self.priority != other.priority:
+            return self.priority < other.priority
+        if self.arrival_time != other.arrival_time:
+            return self.arrival_time < other.arrival_time
+        return self.request_id < other.request_id
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

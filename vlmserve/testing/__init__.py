@@ -1,0 +1,1 @@
+"""Small checkpoints built offline, for tests and benchmarks."""

@@ -1,0 +1,181 @@
+"""Small checkpoints built offline from a family's config: random weights, a byte-level
+BPE tokenizer trained on the spot, the family's HF processor and a Qwen-style chat
+template. `save_pretrained` writes the real weight names, so loading them exercises
+the same code as a released checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen-style: <|im_start|>role\n...<|im_end|>\n; media as <|vision_start|><|image_pad|><|vision_end|>.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}"
+    "{{- part['text'] }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+_DEFAULT_CORPUS = [
+    "Describe the image. What is in this picture? How many shapes are there?",
+    "a small red circle in the top left and a large blue square in the center.",
+    "The quick brown fox jumps over the lazy dog. Hello world, this is a test.",
+    "system user assistant You are a helpful assistant. Answer the question.",
+]
+
+
+def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 512):
+    """A byte-level BPE tokenizer (any text encodes) with Qwen's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((corpus or _DEFAULT_CORPUS) * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+
+
+def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
+    """Weights with enough spread that greedy choices are not near-ties (HF's default
+    init at std 0.02 makes all logits nearly equal in a tiny model)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                if "norm" in name or "ln_" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                else:  # biases
+                    p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p[0].numel()
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / fan_in**0.5)
+
+
+def save_processor_and_tokenizer(path: Path, tokenizer, image_kwargs: dict[str, Any]) -> None:
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**image_kwargs),
+        video_processor=Qwen2VLVideoProcessor(**image_kwargs),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(path))
+
+
+def build_qwen2_5_vl(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    sliding_window: int | None = 32,
+    max_window_layers: int = 2,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 2,
+    max_pixels: int = 28 * 28 * 64,
+    min_pixels: int = 28 * 28 * 4,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    corpus: list[str] | None = None,
+) -> Path:
+    """A tiny Qwen2.5-VL; layers >= max_window_layers use sliding-window attention."""
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(corpus, vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = hidden_size // num_heads
+    # M-RoPE sections over head_dim/2 frequencies, in Qwen's 1:1.5:1.5 proportion
+    quarter = head_dim // 2 // 4
+    mrope_section = [quarter, (head_dim // 2 - quarter) // 2, head_dim // 2 - quarter - (head_dim // 2 - quarter) // 2]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window or 4096,
+            max_window_layers=max_window_layers,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0},
+            eos_token_id=ids["<|im_end|>"],
+            bos_token_id=ids["<|endoftext|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=tie_word_embeddings,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=2 * vision_hidden,
+            num_heads=vision_heads,
+            out_hidden_size=hidden_size,
+            window_size=56,  # 2x2 merged units per window: several windows per test image
+            fullatt_block_indexes=[vision_depth - 1],
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            tokens_per_second=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    randomize_weights(model, seed)
+    model.save_pretrained(str(path))
+    GenerationConfig(
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], do_sample=False
+    ).save_pretrained(str(path))
+    save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels})
+    return path

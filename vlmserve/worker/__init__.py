@@ -1,0 +1,1 @@
+"""Model execution: persistent batch, model runner, sampler."""

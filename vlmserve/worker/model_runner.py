@@ -1,0 +1,294 @@
+"""Executes one scheduled step: applies the scheduler's deltas to the persistent batch,
+runs the encoder for the media it was told to, builds the model inputs, runs the model,
+samples. It makes no scheduling decision: it does what the SchedulerOutput says."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vlmserve.config import SchedulerConfig
+from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, SlidingWindowSpec
+from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vlmserve.kernels.attention import build_attention_metadata
+from vlmserve.models.context import ForwardContext
+from vlmserve.worker.input_batch import CachedRequestState, InputBatch
+from vlmserve.worker.sampler import SamplingBatch, logprobs_entry, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """The flattened inputs of one step, requests in execution order."""
+
+    req_ids: list[str]
+    rows: list[int]
+    num_computed: list[int]
+    query_lens: list[int]
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [3, tokens]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config,
+        kv_cache_config: KVCacheConfig,
+        scheduler_config: SchedulerConfig,
+        eos_token_id: int | None,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.hf_config = hf_config
+        self.kv_cache_config = kv_cache_config
+        self.device = torch.device(device)
+        self.max_model_len = scheduler_config.max_model_len
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.groups = kv_cache_config.groups
+        self.block_size = self.groups[0].spec.block_size
+        self.layer_group = {layer: g for g, group in enumerate(self.groups) for layer in group.layer_ids}
+        self.kv_caches = self._allocate_kv_caches()
+        max_blocks = [-(-self.max_model_len // self.block_size) for _ in self.groups]
+        self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.encoder_runs = 0  # media items encoded, for tests and stats
+
+    # -- memory ---------------------------------------------------------------------------
+    def _allocate_kv_caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """One (keys, values) pair per tensor slot, shared by the j-th layer of every group."""
+        specs = {g.spec for g in self.groups if isinstance(g.spec, AttentionSpec)}
+        if not specs:
+            return {}
+        shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+        if len(shapes) != 1:
+            raise ValueError(f"attention groups must share one page layout, got {shapes}")
+        block_size, heads, head_size, dtype = shapes.pop()
+        n = self.kv_cache_config.num_blocks
+        slots = []
+        for _ in range(self.kv_cache_config.num_tensor_slots):
+            k = torch.empty(n, block_size, heads, head_size, dtype=dtype, device=self.device)
+            v = torch.empty_like(k)
+            # only the null block is ever read without being written (as padding): keep it finite
+            k[0].zero_()
+            v[0].zero_()
+            slots.append((k, v))
+        slot_of = self.kv_cache_config.tensor_slot_of_layer()
+        return {layer: slots[slot_of[layer]] for g in self.groups for layer in g.layer_ids}
+
+    # -- the step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, [])
+        self._run_encoder(so)
+        step = self._prepare_inputs(so)
+        embeds = self.model.embed_input_ids(step.input_ids)
+        self._merge_multimodal_embeddings(step, embeds)
+        ctx = self._forward_context(step)
+        hidden = self.model.forward(embeds, step.positions, ctx)
+        return self._sample(step, hidden)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            batch.remove(rid)
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                mm_features=new.mm_features,
+                sampling_params=params,
+                generator=gen,
+                mrope_positions=new.mrope_positions,
+                mrope_delta=new.mrope_delta,
+                num_computed_tokens=new.num_computed_tokens,
+                num_output_tokens=len(new.output_token_ids),
+            )
+            batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids)
+        cached = so.scheduled_cached_reqs
+        for rid, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = batch.index_of[rid]
+            batch.states[row].num_computed_tokens = num_computed
+            for g, ids in enumerate(block_ids or ()):
+                if ids:
+                    batch.append_blocks(row, g, ids)
+
+    def _run_encoder(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        todo = {}
+        for rid, input_ids in so.scheduled_encoder_inputs.items():
+            state = batch.states[batch.index_of[rid]]
+            for i in input_ids:
+                feature = state.mm_features[i]
+                todo.setdefault(feature.mm_hash, feature)
+        if not todo:
+            return
+        features = list(todo.values())
+        outputs = self.model.embed_multimodal(features)
+        for feature, out in zip(features, outputs):
+            if out.shape[0] != feature.length:
+                raise RuntimeError(
+                    f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"
+                )
+            self.encoder_cache[feature.mm_hash] = out
+        self.encoder_runs += len(features)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        # decodes (one token) first: the attention kernel batches them
+        order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
+        rows = [batch.index_of[rid] for rid in order]
+        query_lens = [so.num_scheduled_tokens[rid] for rid in order]
+        num_computed = [batch.states[r].num_computed_tokens for r in rows]
+        ids, pos = [], []
+        for row, c, q in zip(rows, num_computed, query_lens):
+            state = batch.states[row]
+            ids.append(batch.token_ids[row, c : c + q])
+            pos.append(self._positions(state, c, c + q))
+        return StepInputs(
+            req_ids=order,
+            rows=rows,
+            num_computed=num_computed,
+            query_lens=query_lens,
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(self.device),
+            positions=torch.cat(pos, dim=1).to(self.device),
+        )
+
+    @staticmethod
+    def _positions(state: CachedRequestState, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions of tokens [start, end): the prompt's were computed once at
+        input processing; generated tokens continue them by a constant delta."""
+        n_prompt = state.num_prompt_tokens
+        parts = []
+        if start < n_prompt:
+            stop = min(end, n_prompt)
+            if state.mrope_positions is not None:
+                parts.append(state.mrope_positions[:, start:stop])
+            else:
+                parts.append(torch.arange(start, stop).expand(3, -1))
+        if end > n_prompt:
+            gen = torch.arange(max(start, n_prompt), end) + state.mrope_delta
+            parts.append(gen.expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def _merge_multimodal_embeddings(self, step: StepInputs, embeds: torch.Tensor) -> None:
+        """Places encoder outputs on exactly the placeholder tokens computed this step."""
+        dest, src = [], []
+        token_start = 0
+        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
+            for f in self.input_batch.states[row].mm_features:
+                lo, hi = max(c, f.offset), min(c + q, f.end)
+                if lo >= hi:
+                    continue
+                out = self.encoder_cache.get(f.mm_hash)
+                if out is None:
+                    raise RuntimeError(f"encoder output for {f.mm_hash} is not in the encoder cache")
+                src.append(out[lo - f.offset : hi - f.offset])
+                dest.append(torch.arange(token_start + lo - c, token_start + hi - c))
+            token_start += q
+        if dest:
+            embeds.index_copy_(0, torch.cat(dest).to(self.device), torch.cat(src).to(embeds.dtype))
+
+    def _forward_context(self, step: StepInputs) -> ForwardContext:
+        batch = self.input_batch
+        metadata = []
+        for g, group in enumerate(self.groups):
+            spec = group.spec
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            metadata.append(
+                build_attention_metadata(
+                    [batch.block_table(g, r) for r in step.rows],
+                    step.num_computed,
+                    step.query_lens,
+                    self.block_size,
+                    window,
+                    self.device,
+                )
+            )
+        return ForwardContext(
+            kv_caches=self.kv_caches,
+            attn_metadata={layer: metadata[g] for layer, g in self.layer_group.items()},
+        )
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        batch = self.input_batch
+        sample_idx, sample_pos = [], []  # which requests sample, and the token that does
+        prompt_lp_rows: list[tuple[int, int, int, int]] = []  # (i, hidden start, count, first pos)
+        token_start = 0
+        for i, (row, c, q) in enumerate(zip(step.rows, step.num_computed, step.query_lens)):
+            state = batch.states[row]
+            if c + q >= batch.num_tokens[row]:
+                sample_idx.append(i)
+                sample_pos.append(token_start + q - 1)
+            if state.sampling_params.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1
+                last = min(c + q, state.num_prompt_tokens - 1)
+                if last > c:
+                    prompt_lp_rows.append((i, token_start, last - c, c))
+            token_start += q
+
+        prompt_logprobs: dict[str, list[LogprobsEntry]] = {}
+        for i, start, count, first in prompt_lp_rows:
+            row = step.rows[i]
+            state = batch.states[row]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[start : start + count]).float(), dim=-1)
+            targets = batch.token_ids[row, first + 1 : first + 1 + count]
+            n = state.sampling_params.prompt_logprobs
+            state.prompt_logprobs.extend(logprobs_entry(lp[j], int(targets[j]), n) for j in range(count))
+            if i in sample_idx:  # prompt done: hand them over
+                prompt_logprobs[step.req_ids[i]] = state.prompt_logprobs
+
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: dict[str, LogprobsEntry] = {}
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[sample_pos])
+            tokens, entries = sample(logits, self._sampling_batch([step.rows[i] for i in sample_idx]))
+            for i, token, entry in zip(sample_idx, tokens, entries):
+                row = step.rows[i]
+                sampled[i] = [token]
+                batch.append_token(row, token)
+                batch.states[row].num_output_tokens += 1
+                if entry is not None:
+                    logprobs[step.req_ids[i]] = entry
+        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
+            batch.states[row].num_computed_tokens = c + q
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _sampling_batch(self, rows: list[int]) -> SamplingBatch:
+        states = [self.input_batch.states[r] for r in rows]
+        params = [s.sampling_params for s in states]
+        eos = self.eos_token_id
+        banned = []
+        for s, p in zip(states, params):
+            if s.num_output_tokens < p.min_tokens:
+                banned.append(([] if eos is None or p.ignore_eos else [eos]) + list(p.stop_token_ids))
+            else:
+                banned.append([])
+        return SamplingBatch(
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params]),
+            generators=[s.generator or self.generator for s in states],
+            banned_token_ids=banned,
+            num_logprobs=[p.logprobs for p in params],
+        )
