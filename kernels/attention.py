@@ -33,12 +33,14 @@ class AttentionMetadata:
 
     Built once per step per group by `build_attention_metadata`, shared by the group's
     layers. Requests are laid out decodes first (one query token each), then prefills.
+    Decodes read whole blocks (one row copy per block is much cheaper than one per
+    token); the mask hides the positions of those blocks a query must not see.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
     num_decodes: int
-    decode_kv_slots: torch.Tensor | None  # [num_decodes, kv_len]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, kv_len] bool
+    decode_blocks: torch.Tensor | None  # [num_decodes, blocks] block ids (null-padded)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] bool
     prefills: list[PrefillSeq]
 
 
@@ -67,18 +69,20 @@ def build_attention_metadata(
         num_decodes += 1
     assert all(q > 1 for q in query_lens[num_decodes:]), "decodes must come first"
 
-    decode_kv_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if num_decodes:
         seq_lens = np.array([c + 1 for c in num_computed[:num_decodes]])
-        starts = np.maximum(seq_lens - window, 0)
-        kv_len = int((seq_lens - starts).max())
-        slots = np.zeros((num_decodes, kv_len), dtype=np.int64)
-        mask = np.zeros((num_decodes, kv_len), dtype=bool)
+        first_visible = np.maximum(seq_lens - window, 0)
+        first_block = first_visible // block_size
+        last_block = (seq_lens - 1) // block_size
+        width = int((last_block - first_block).max()) + 1
+        blocks = np.zeros((num_decodes, width), dtype=np.int64)  # 0: the null block
         for i in range(num_decodes):
-            n = seq_lens[i] - starts[i]
-            slots[i, :n] = _slots(block_tables[i], starts[i], seq_lens[i], block_size)
-            mask[i, :n] = True
-        decode_kv_slots = torch.from_numpy(slots).to(device)
+            row = block_tables[i][first_block[i] : last_block[i] + 1]
+            blocks[i, : len(row)] = row
+        pos = first_block[:, None] * block_size + np.arange(width * block_size)[None, :]
+        mask = (pos >= first_visible[:, None]) & (pos < seq_lens[:, None])
+        decode_blocks = torch.from_numpy(blocks).to(device)
         decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
 
     prefills = []
@@ -99,7 +103,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
         num_decodes=num_decodes,
-        decode_kv_slots=decode_kv_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         prefills=prefills,
     )
@@ -118,30 +122,31 @@ def paged_attention(
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] (this step's). Writes k/v into
     the cache, then attends. Returns [tokens, q_heads, d]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kc = k_cache.view(-1, num_kv_heads, head_dim)
-    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    row = num_kv_heads * head_dim
+    kc = k_cache.view(-1, row)  # one row per slot
+    vc = v_cache.view(-1, row)
     # every token of the batch is written before any is read: a request may read blocks
     # another request of this step is filling (a prefix hit on blocks cached this step)
-    kc.index_copy_(0, meta.slot_mapping, k)
-    vc.index_copy_(0, meta.slot_mapping, v)
+    kc.index_copy_(0, meta.slot_mapping, k.reshape(-1, row))
+    vc.index_copy_(0, meta.slot_mapping, v.reshape(-1, row))
     gqa = q.shape[1] != num_kv_heads
     out = torch.empty_like(q)
 
     nd = meta.num_decodes
     if nd:
-        keys = kc[meta.decode_kv_slots].transpose(1, 2)  # [B, kv_heads, L, d]
-        values = vc[meta.decode_kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:nd] = o.squeeze(2)
+        num_blocks, width = k_cache.shape[0], meta.decode_blocks.shape[1]
+        flat_blocks = meta.decode_blocks.view(-1)
+        keys = k_cache.view(num_blocks, -1).index_select(0, flat_blocks).view(nd, -1, num_kv_heads, head_dim)
+        values = v_cache.view(num_blocks, -1).index_select(0, flat_blocks).view(nd, -1, num_kv_heads, head_dim)
+        out[:nd] = _decode_attention(q[:nd], keys, values, meta.decode_mask, scale)
 
     for p in meta.prefills:
         s, e = p.query_start, p.query_start + p.query_len
         if p.kv_slots is None:
             keys, values = k[s:e], v[s:e]
         else:
-            keys, values = kc[p.kv_slots], vc[p.kv_slots]
+            keys = kc.index_select(0, p.kv_slots).view(-1, num_kv_heads, head_dim)
+            values = vc.index_select(0, p.kv_slots).view(-1, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
@@ -153,6 +158,29 @@ def paged_attention(
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [B, q_heads, d]; keys/values: [B, L, kv_heads, d]; mask: [B, 1, 1, L]."""
+    b, q_heads, d = q.shape
+    kv_heads = keys.shape[2]
+    if q.dtype == torch.float32:
+        # torch's fused CPU kernel is the fastest in fp32 ...
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads,
+        )
+        return o.squeeze(2)
+    # ... but several times slower than two batched matmuls in bf16/fp16. Query heads
+    # sharing a KV head are stacked so each KV head is read once (GQA).
+    group = q_heads // kv_heads
+    qg = q.view(b, kv_heads, group, d)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, kv, group, L]
+    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).reshape(b, q_heads, d)
 
 
 @register("varlen_attention")

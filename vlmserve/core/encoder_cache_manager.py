@@ -97,6 +97,11 @@ class EncoderCacheManager:
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def reset(self) -> None:
+        """Drops every entry (the engine must be idle); the runner clears its tensors."""
+        assert self.num_referenced() == 0, "cannot reset the encoder cache while requests use it"
+        self.__init__(self.cache_size)
+
     def num_referenced(self) -> int:
         return sum(1 for users in self.refs.values() if users)
 

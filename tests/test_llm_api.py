@@ -1,0 +1,119 @@
+"""The Python API: chat with images from every source, outputs, sampling, errors."""
+
+import pytest
+
+from conftest import data_url, make_image, png_bytes
+from vlmserve import LLM, SamplingParams
+
+IMG = make_image(130, 100, seed=1)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen25_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "pic.png").write_bytes(png_bytes(IMG))
+    engine = LLM(qwen25_path, num_kv_blocks=256, allowed_local_media_path=str(folder))
+    engine.media_folder = folder
+    return engine
+
+
+def chat(image_part, text="Describe the image."):
+    return [{"role": "user", "content": [image_part, {"type": "text", "text": text}]}]
+
+
+def test_chat_takes_pil_path_and_data_url_alike(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    by_pil = llm.chat(chat({"type": "image", "image": IMG}), greedy)[0]
+    by_path = llm.chat(chat({"type": "image_url", "image_url": {"url": str(llm.media_folder / "pic.png")}}), greedy)[0]
+    by_file_url = llm.chat(chat({"type": "image_url", "image_url": "file://" + str(llm.media_folder / "pic.png")}), greedy)[0]
+    by_data = llm.chat(chat({"type": "image_url", "image_url": {"url": data_url(IMG)}}), greedy)[0]
+    texts = {o.outputs[0].text for o in (by_pil, by_path, by_file_url, by_data)}
+    assert len(texts) == 1 and texts.pop()
+    for out in (by_pil, by_path, by_data):
+        c = out.outputs[0]
+        assert c.token_ids and c.finish_reason in ("stop", "length")
+        assert out.num_prompt_tokens > 20 and out.finished
+    # the file and the data URL carry the same bytes: same mm_hash, so the prefix cache hits
+    assert by_data.num_cached_tokens > 0
+
+
+def test_generate_outputs_and_finish_reasons(llm):
+    outs = llm.generate(["Hello world", "The quick brown fox"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.token_ids) == 3 and c.finish_reason == "length"
+        assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=12, n=3, ignore_eos=True)
+    a = llm.generate("Describe the image.", params)[0]
+    b = llm.generate(["Hello", "Describe the image."], [SamplingParams(max_tokens=5), params])[1]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len(a.outputs) == 3 and len({tuple(c.token_ids) for c in a.outputs}) > 1
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+
+
+def test_stop_string_is_cut_exactly(llm):
+    free = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop = free.text[5:8]
+    assert stop and stop in free.text
+    cut = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == free.text[: free.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    free = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_id = free.token_ids[4]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # below min_tokens the stop token cannot even be sampled
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                    stop_token_ids=[stop_id], min_tokens=12))[0].outputs[0]
+    assert len(out.token_ids) == 12 and stop_id not in out.token_ids
+
+
+def test_logprobs_are_consistent(llm):
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=5, logprobs=4))[0].outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry.token_ids[0] == token and entry.rank == 1  # greedy picks the top token
+        assert len(entry.token_ids) == 5
+        assert entry.logprobs[1:] == sorted(entry.logprobs[1:], reverse=True)
+        assert abs(entry.logprobs[0] - entry.logprobs[1]) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, "not a readable image"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+        ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "outside the allowed media folder"),
+        ({"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}, "http"),
+        ({"type": "audio", "audio": "x"}, "unsupported content part"),
+    ],
+)
+def test_bad_input_fails_clearly_and_leaves_nothing_behind(llm, bad, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(chat(bad))
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().blocks_in_use == [0, 0]
+    ok = llm.chat(chat({"type": "image", "image": IMG}), SamplingParams(temperature=0, max_tokens=3))[0]
+    assert ok.outputs[0].token_ids
+
+
+def test_prompt_longer_than_the_context_is_refused(qwen25_path):
+    llm = LLM(qwen25_path, num_kv_blocks=256, max_model_len=64)
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        llm.generate("Hello world " * 100)
+    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_too_many_placeholders_or_images_is_refused(llm):
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        llm.generate({"prompt": "<|image_pad|> hi", "multi_modal_data": {"image": [IMG, IMG]}})

@@ -1,0 +1,59 @@
+import torch
+
+from vlmserve.worker.sampler import SamplingBatch, sample
+
+
+def batch(rows, temperature=1.0, top_k=0, top_p=1.0, gens=None, banned=None, logprobs=None):
+    return SamplingBatch(
+        temperature=torch.full((rows,), float(temperature)),
+        top_k=torch.full((rows,), top_k, dtype=torch.long),
+        top_p=torch.full((rows,), float(top_p)),
+        generators=gens or [torch.Generator().manual_seed(i) for i in range(rows)],
+        banned_token_ids=banned or [[] for _ in range(rows)],
+        num_logprobs=logprobs or [None] * rows,
+    )
+
+
+LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05]))
+
+
+def frequencies(b, n=4000):
+    tokens, _ = sample(LOGITS.repeat(n, 1), b)
+    return torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+
+
+def test_greedy_and_banned_tokens():
+    tokens, _ = sample(LOGITS.repeat(2, 1), batch(2, temperature=0, banned=[[], [0]]))
+    assert tokens == [0, 1]
+
+
+def test_plain_sampling_follows_the_distribution():
+    gen = torch.Generator().manual_seed(0)
+    freq = frequencies(batch(4000, gens=[gen] * 4000))
+    assert torch.allclose(freq, LOGITS.exp(), atol=0.03)
+
+
+def test_top_k_and_top_p_filter():
+    gen = torch.Generator().manual_seed(1)
+    freq = frequencies(batch(4000, top_k=2, gens=[gen] * 4000))
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.03
+    # top_p 0.7: tokens 0 (0.5) and 1 (0.3) are kept — 0.5 alone is not yet 0.7
+    freq = frequencies(batch(4000, top_p=0.7, gens=[gen] * 4000))
+    assert freq[2:].sum() == 0 and freq[1] > 0.3
+    freq = frequencies(batch(4000, top_p=0.4, gens=[gen] * 4000))
+    assert freq[0] == 1.0
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    logits = torch.randn(3, 100)
+    alone, _ = sample(logits[1:2].clone(), batch(1, gens=[torch.Generator().manual_seed(42)]))
+    together, _ = sample(logits.clone(), batch(3, gens=[torch.Generator().manual_seed(s) for s in (1, 42, 3)]))
+    assert together[1] == alone[0]
+
+
+def test_logprobs_entries():
+    _, entries = sample(LOGITS.repeat(2, 1), batch(2, temperature=0, logprobs=[2, None]))
+    assert entries[1] is None
+    e = entries[0]
+    assert e.token_ids == [0, 0, 1] and e.rank == 1
+    assert abs(e.logprobs[0] - LOGITS[0].item()) < 1e-6
