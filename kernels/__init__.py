@@ -9,6 +9,6 @@ a model.
 from vlmserve.kernels.registry import ops, register
 
 # importing the modules registers their implementations
-from vlmserve.kernels import attention, norms, rotary  # noqa: E402,F401
+from vlmserve.kernels import attention, gdn, norms, rotary  # noqa: E402,F401
 
 __all__ = ["ops", "register"]

@@ -27,13 +27,34 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), weight initialised at zero (Qwen3-Next, Qwen3.5)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm_zero_centered(x, self.weight, self.eps)
+
+
+class FusedLinear(nn.Linear):
+    """Several projections of the checkpoint computed as one matmul (fewer, larger ops
+    run faster on CPU); `shard_sizes` tells the weight loader where each one goes."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
@@ -67,6 +88,39 @@ def mrope_cos_sin(
     return emb.cos(), emb.sin()
 
 
+def mrope_positions(
+    token_ids: list[int], features, spatial_merge_size: int, video_time_scale: float = 1.0
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions [3, len(token_ids)] and the delta that continues them in decode,
+    as transformers' get_rope_index computes them.
+
+    Text advances all three axes by one per token. A media item at position p gets
+    (p + t * interval, p + row, p + col) over its merged grid — interval is 1 for images
+    and video_time_scale * seconds-per-grid-step for videos — and the text after it
+    resumes at p + max(rows, cols).
+    """
+    n = len(token_ids)
+    pos = torch.empty(3, n, dtype=torch.long)
+    cur, idx = 0, 0
+    for f in features:
+        pos[:, idx : f.offset] = torch.arange(f.offset - idx) + cur
+        cur += f.offset - idx
+        t, h, w = (int(x) for x in f.data["grid_thw"])
+        rows, cols = h // spatial_merge_size, w // spatial_merge_size
+        interval: float | torch.Tensor = 1
+        if f.modality == "video" and "second_per_grid_t" in f.data:
+            # fp32, as transformers computes it, so the truncation below agrees
+            interval = video_time_scale * torch.tensor(f.data["second_per_grid_t"], dtype=torch.float32)
+        tpos = (torch.arange(t) * interval).long() + cur
+        grid = torch.meshgrid(tpos, torch.arange(rows) + cur, torch.arange(cols) + cur, indexing="ij")
+        pos[:, f.offset : f.end] = torch.stack(grid).reshape(3, -1)
+        cur += max(h, w) // spatial_merge_size
+        idx = f.end
+    pos[:, idx:] = torch.arange(n - idx) + cur
+    delta = int(pos.max()) + 1 - n if n else 0
+    return pos, delta
+
+
 def _section_slices(sections: list[int]) -> list[slice]:
     slices, start = [], 0
     for size in sections:
@@ -87,6 +141,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         qkv_bias: bool,
         o_bias: bool = False,
+        query_gate: bool = False,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -96,7 +151,9 @@ class PagedAttention(nn.Module):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # with a query gate (Qwen3.5), the query projection also yields the output gate
+        q_out = 2 * self.q_size if query_gate else self.q_size
+        self.qkv_proj = FusedLinear(hidden, [q_out, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
 
     def attend(

@@ -16,7 +16,7 @@ from torch import nn
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vlmserve.kernels import ops
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_cos_sin, mrope_positions, rope_inv_freq
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -229,35 +229,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     # -- positions -------------------------------------------------------------------
     @staticmethod
     def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions [3, len(token_ids)] and the delta that continues them in decode.
-
-        Text advances all three axes by one per token; a media item at position p gets
-        (p + t * interval, p + row, p + col) over its merged grid, and the text after it
-        resumes at p + max(rows, cols), as in transformers' get_rope_index.
-        """
-        merge = config.vision_config.spatial_merge_size
-        tokens_per_second = getattr(config.vision_config, "tokens_per_second", 1)
-        n = len(token_ids)
-        pos = torch.empty(3, n, dtype=torch.long)
-        cur, idx = 0, 0
-        for f in features:
-            pos[:, idx : f.offset] = torch.arange(f.offset - idx) + cur
-            cur += f.offset - idx
-            t, h, w = (int(x) for x in f.data["grid_thw"])
-            gh, gw = h // merge, w // merge
-            interval = 1
-            if f.modality == "video":
-                interval = tokens_per_second * torch.tensor(f.data.get("second_per_grid_t", 1.0), dtype=torch.float32)
-            tpos = (torch.arange(t) * interval).long() + cur
-            grid = torch.stack(
-                torch.meshgrid(tpos, torch.arange(gh) + cur, torch.arange(gw) + cur, indexing="ij")
-            ).reshape(3, -1)
-            pos[:, f.offset : f.end] = grid
-            cur += max(h, w) // merge
-            idx = f.end
-        pos[:, idx:] = torch.arange(n - idx) + cur
-        delta = int(pos.max()) + 1 - n if n else 0
-        return pos, delta
+        vision = config.vision_config
+        return mrope_positions(token_ids, features, vision.spatial_merge_size, getattr(vision, "tokens_per_second", 1))
 
     # -- weights ------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

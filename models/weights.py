@@ -38,8 +38,7 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 class WeightLoader:
     """Copies checkpoint tensors into parameters, checking shapes and completeness.
 
-    Fused parameters (qkv_proj, gate_up_proj) are filled shard by shard; the shard
-    sizes come from the module (q_size/kv_size, or two equal halves).
+    Fused parameters (a FusedLinear's weight and bias) are filled shard by shard.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -58,11 +57,7 @@ class WeightLoader:
 
     def copy_shard(self, name: str, tensor: torch.Tensor, index: int) -> None:
         param = self._param(name)
-        module = self.model.get_submodule(name.rsplit(".", 2)[0])
-        if hasattr(module, "q_size"):
-            sizes = [module.q_size, module.kv_size, module.kv_size]
-        else:
-            sizes = [param.shape[0] // 2] * 2
+        sizes = self.model.get_submodule(name.rsplit(".", 1)[0]).shard_sizes
         start = sum(sizes[:index])
         if tensor.shape[0] != sizes[index] or tensor.shape[1:] != param.shape[1:]:
             raise ValueError(f"{name} shard {index}: checkpoint shape {tuple(tensor.shape)} does not fit")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.testing.checkpoints import build_qwen2_5_vl
+from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
 
 torch.set_num_threads(2)
 
@@ -78,3 +78,14 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_qwen25(qwen25_path):
     return HFReference(qwen25_path)
+
+
+@pytest.fixture(scope="session")
+def qwen35_path(tmp_path_factory):
+    """Tiny Qwen3.5: Gated DeltaNet, attention, DeltaNet, attention; vision depth 2."""
+    return str(build_qwen3_5(tmp_path_factory.mktemp("qwen35")))
+
+
+@pytest.fixture(scope="session")
+def hf_qwen35(qwen35_path):
+    return HFReference(qwen35_path)

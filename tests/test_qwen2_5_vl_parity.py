@@ -117,3 +117,23 @@ def test_preemption_with_a_tiny_kv_cache(qwen25_path, hf_qwen25):
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen25, text, images, n)
     assert llm.engine.stats().blocks_in_use == [0, 0]
+
+
+def test_sliding_window_group_holds_a_window_of_blocks_while_decoding(qwen25_path):
+    """A request 4x longer than the window (32 tokens) holds at most ceil(32/16) + 1 blocks
+    in the sliding-window group, while the full-attention group keeps every block."""
+    llm = LLM(qwen25_path, num_kv_blocks=256)
+    engine = llm.engine
+    kv = engine.engine_core.scheduler.kv_cache_manager
+    kinds = [type(g.spec).__name__ for g in kv.config.groups]
+    sliding, full = kinds.index("SlidingWindowSpec"), kinds.index("FullAttentionSpec")
+    engine.add_request("long", "Hello world " * 12, SamplingParams(max_tokens=100, ignore_eos=True))
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if "long" in engine.engine_core.scheduler.requests:
+            held.append(kv.num_held_blocks("long"))
+    assert engine.stats().blocks_in_use == [0, 0]
+    window_blocks = -(-32 // 16) + 1
+    assert max(h[sliding] for h in held) <= window_blocks
+    assert max(h[full] for h in held) >= 4 * 32 // 16  # the sequence is over 4 windows long

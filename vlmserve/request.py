@@ -88,6 +88,9 @@ class Request:
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.mrope_positions = mrope_positions
         self.mrope_delta = mrope_delta
+        # token counts after which a later request is likely to diverge (end of a media
+        # item, a message, the prompt): where recurrent-state snapshots are worth taking
+        self.cache_points: list[int] = []
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
@@ -110,6 +113,7 @@ class Request:
         )
         clone._block_hasher = self._block_hasher
         clone.block_hashes = list(self.block_hashes)
+        clone.cache_points = list(self.cache_points)
         return clone
 
     # -- tokens ---------------------------------------------------------------

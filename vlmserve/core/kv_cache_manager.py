@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
-from vlmserve.core.kv_cache_spec import KVCacheConfig
-from vlmserve.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, make_manager
+from vlmserve.core.kv_cache_spec import KVCacheConfig, MambaSpec
+from vlmserve.core.single_type_kv_cache_manager import MambaManager, make_manager
+from vlmserve.core.state_pool import StatePool
 from vlmserve.request import Request
 
 # per KV cache group, a request's blocks
@@ -27,9 +28,14 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(config.num_blocks, enable_caching)
-        self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(g.spec, self.block_pool, i) for i, g in enumerate(config.groups)
+        self.state_pool = StatePool(config.num_state_slots)
+        self.managers = [
+            MambaManager(g.spec, self.state_pool, i, enable_caching)
+            if isinstance(g.spec, MambaSpec)
+            else make_manager(g.spec, self.block_pool, i)
+            for i, g in enumerate(config.groups)
         ]
+        self.has_recurrent_groups = any(isinstance(m, MambaManager) for m in self.managers)
         block_sizes = {g.spec.block_size for g in config.groups}
         if len(block_sizes) != 1:
             raise ValueError(f"all KV cache groups must share one block size, got {block_sizes}")
@@ -124,21 +130,41 @@ class KVCacheManager:
             manager.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.state_pool.reset()
+        return True
+
+    # -- recurrent groups ------------------------------------------------------------------
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        """Where a step computing [start, end) must stop so that a recurrent group can
+        snapshot its state at a cache point (the state exists only at a step's end)."""
+        if not (self.enable_caching and self.has_recurrent_groups):
+            return end
+        mamba = next(m for m in self.managers if isinstance(m, MambaManager))
+        for point in request.cache_points:
+            if start < point < end and not mamba.has_snapshot(request, point):
+                return point
+        return end
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (snapshot -> live) restores and (live -> snapshot) saves."""
+        return self.state_pool.drain_copies()
+
+    def commit_step(self) -> None:
+        self.state_pool.commit()
 
     # -- views ---------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers)
+        """Per group: block ids (attention) or the live state slot (recurrent)."""
+        return tuple(m.block_ids(request_id) for m in self.managers)
 
     def num_held_blocks(self, request_id: str) -> list[int]:
         return [m.num_held_blocks(request_id) for m in self.managers]
 
     def blocks_in_use(self) -> list[int]:
-        """Blocks currently referenced by some request, per group."""
-        return [
-            len({b.block_id for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null})
-            for m in self.managers
-        ]
+        """Per group: KV blocks referenced by some request, or live state slots."""
+        return [m.blocks_in_use() for m in self.managers]
 
     @property
     def num_free_blocks(self) -> int:

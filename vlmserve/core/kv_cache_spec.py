@@ -45,6 +45,27 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """Recurrent layers (Gated DeltaNet): a constant-size state per request — the conv
+    window and the delta-rule state — however long the sequence. It takes no KV blocks;
+    it lives in state slots, and prefix caching keeps snapshots of it at block
+    boundaries."""
+
+    conv_shape: tuple[int, ...]
+    ssm_shape: tuple[int, ...]
+    dtype: torch.dtype  # of the conv window; the delta-rule state is always fp32
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one state slot of one layer."""
+        conv = math.prod(self.conv_shape) * torch.empty((), dtype=self.dtype).element_size()
+        return conv + math.prod(self.ssm_shape) * 4
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers with equal specs; they share block ids (each in its own tensor)."""
 
@@ -72,6 +93,7 @@ class KVCacheConfig:
 
     num_blocks: int
     groups: list[KVCacheGroup]
+    num_state_slots: int = 0  # for recurrent groups: live states plus prefix-cache snapshots
 
     @property
     def num_tensor_slots(self) -> int:
@@ -79,6 +101,11 @@ class KVCacheConfig:
 
     def tensor_slot_of_layer(self) -> dict[int, int]:
         return {layer: j for g in self.groups for j, layer in enumerate(g.layer_ids)}
+
+
+def state_slot_bytes(groups: list[KVCacheGroup]) -> int:
+    """Bytes of one state slot across every recurrent layer."""
+    return sum(len(g.layer_ids) * g.spec.slot_bytes for g in groups if isinstance(g.spec, MambaSpec))
 
 
 def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int) -> int:

@@ -48,6 +48,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or aborted since the last step
     preempted_req_ids: set[str]
     free_encoder_mm_hashes: list[str]
+    # recurrent-state slot copies: (snapshot, live) before the forward, (live, snapshot) after
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -190,6 +190,7 @@ class Scheduler:
 
         total = sum(num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens
+        state_restores, state_saves = self.kv_cache_manager.take_state_copies()
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
@@ -218,6 +219,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
+            state_restores=state_restores,
+            state_saves=state_saves,
         )
         self.finished_req_ids = set()
         # progress is counted at schedule time, so the next step can be planned at once
@@ -230,8 +233,9 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_new > token_budget:
             return 0
         # the last position fed to the model must stay inside the context
-        num_new = min(num_new, token_budget, self.config.max_model_len - num_computed)
-        return max(num_new, 0)
+        num_new = max(min(num_new, token_budget, self.config.max_model_len - num_computed), 0)
+        end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
+        return end - num_computed
 
     def _schedule_encoder_inputs(
         self, request: Request, num_computed: int, num_new: int, encoder_budget: int
@@ -279,6 +283,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        self.kv_cache_manager.commit_step()
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.is_finished():

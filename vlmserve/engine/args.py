@@ -22,6 +22,9 @@ class EngineArgs:
     kv_cache_memory_gb: float = 0.5
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # hybrid models: recurrent-state snapshots kept for prefix caching (default: up to a
+    # quarter of the KV memory, at most 8 per running request)
+    num_state_snapshots: int | None = None
     # vision encoder, in embedding tokens
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 16384

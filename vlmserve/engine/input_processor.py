@@ -60,6 +60,7 @@ class InputProcessor:
         eos_token_id: int | None,
         block_hasher,
         max_media_tokens: int,
+        block_size: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.mm_processor = mm_processor
@@ -70,6 +71,9 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         self.block_hasher = block_hasher
         self.max_media_tokens = max_media_tokens
+        self.block_size = block_size
+        message_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.message_end_id = message_end if isinstance(message_end, int) and message_end >= 0 else None
 
     def process(
         self,
@@ -94,7 +98,7 @@ class InputProcessor:
         token_ids, features = self._expand_placeholders(token_ids, media)
         self._check_length(len(token_ids), params)
         positions, delta = self.model_cls.mrope_positions(self.hf_config, token_ids, features)
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
@@ -107,6 +111,17 @@ class InputProcessor:
             cache_salt=cache_salt,
             block_hasher=self.block_hasher,
         )
+        request.cache_points = self._cache_points(token_ids, features)
+        return request
+
+    def _cache_points(self, token_ids: list[int], features: list[MultiModalFeature]) -> list[int]:
+        """Block boundaries where a later prompt likely diverges from this one: after each
+        media item, after each message, at the end of the prompt (rounded down)."""
+        ends = [f.end for f in features] + [len(token_ids) - 1]
+        if self.message_end_id is not None:
+            ends += [i + 1 for i, t in enumerate(token_ids) if t == self.message_end_id]
+        bs = self.block_size
+        return sorted({e // bs * bs for e in ends if e // bs * bs > 0})
 
     def _process_image(self, source: Any, settings: dict[str, Any], index: int) -> ProcessedMedia:
         try:

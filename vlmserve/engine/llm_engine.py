@@ -11,7 +11,7 @@ import torch
 from vlmserve.config import CacheConfig, SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
-from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers
+from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.kv_cache_utils import make_block_hasher
 from vlmserve.core.scheduler import Scheduler, SchedulerStats
 from vlmserve.engine.args import EngineArgs
@@ -55,8 +55,8 @@ class LLMEngine:
         self.tokenizer = self.mm_processor.hf_processor.tokenizer
 
         groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
-        num_blocks = args.num_kv_blocks or blocks_for_memory(groups, int(args.kv_cache_memory_gb * (1 << 30)))
-        kv_config = KVCacheConfig(num_blocks, groups)
+        kv_config = self._kv_cache_config(groups)
+        num_blocks = kv_config.num_blocks
         max_model_len = self._max_model_len(hf_config, kv_config)
         sched_config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -95,6 +95,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             block_hasher=make_block_hasher(args.block_size),
             max_media_tokens=min(args.encoder_compute_budget, args.encoder_cache_size),
+            block_size=args.block_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - start
@@ -104,6 +105,25 @@ class LLMEngine:
         )
 
     # -- setup helpers -------------------------------------------------------------------
+    def _kv_cache_config(self, groups) -> KVCacheConfig:
+        """Splits the KV memory budget: recurrent layers first get a state slot for every
+        request that can run at once, plus snapshot slots for prefix caching (a quarter of
+        the budget at most); attention blocks get the rest."""
+        args = self.args
+        budget = int(args.kv_cache_memory_gb * (1 << 30))
+        slot_bytes = state_slot_bytes(groups)
+        num_slots = 0
+        if slot_bytes:
+            snapshots = args.num_state_snapshots
+            if snapshots is None:
+                snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.enable_prefix_caching else 0
+            num_slots = args.max_num_seqs + snapshots
+            budget -= num_slots * slot_bytes
+            if budget <= 0 and args.num_kv_blocks is None:
+                raise ValueError("kv_cache_memory_gb is too small for the recurrent states of max_num_seqs requests")
+        num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget)
+        return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots)
+
     def _max_model_len(self, hf_config, kv_config: KVCacheConfig) -> int:
         text = getattr(hf_config, "text_config", hf_config)
         model_len = getattr(text, "max_position_embeddings", 4096)

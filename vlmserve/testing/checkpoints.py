@@ -179,3 +179,94 @@ def build_qwen2_5_vl(
     ).save_pretrained(str(path))
     save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels})
     return path
+
+
+def build_qwen3_5(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    linear_heads: tuple[int, int] = (2, 4),  # key heads, value heads
+    linear_head_dim: int = 16,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 2,
+    max_pixels: int = 32 * 32 * 36,
+    min_pixels: int = 32 * 32 * 4,
+    vocab_size: int = 512,
+    seed: int = 0,
+    weight_scale: float = 0.4,
+    corpus: list[str] | None = None,
+) -> Path:
+    """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers, Qwen3-VL vision tower."""
+    from transformers import (
+        GenerationConfig,
+        Qwen2VLImageProcessor,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(corpus, vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    rotary = head_dim // 2  # partial rotary: half of each head
+    freqs = rotary // 2
+    section = [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
+    config = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=len(layer_types),
+            layer_types=list(layer_types),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            linear_num_key_heads=linear_heads[0],
+            linear_num_value_heads=linear_heads[1],
+            linear_key_head_dim=linear_head_dim,
+            linear_value_head_dim=linear_head_dim,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": section, "mrope_interleaved": True},
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+            num_heads=vision_heads, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+            out_hidden_size=hidden_size, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    randomize_weights(model, seed, scale=weight_scale)
+    with torch.no_grad():  # decay rates of a trained model: exp(A_log) in (0, 16)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+    model.save_pretrained(str(path))
+    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(str(path))
+    image_kwargs = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 16, "merge_size": 2}
+    Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**image_kwargs),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(str(path))
+    return path

@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from vlmserve.config import SchedulerConfig
-from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, SlidingWindowSpec
+from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels.attention import build_attention_metadata
+from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.sampler import SamplingBatch, logprobs_entry, sample
@@ -53,19 +54,30 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.groups = kv_cache_config.groups
         self.block_size = self.groups[0].spec.block_size
-        self.layer_group = {layer: g for g, group in enumerate(self.groups) for layer in group.layer_ids}
         self.kv_caches = self._allocate_kv_caches()
-        max_blocks = [-(-self.max_model_len // self.block_size) for _ in self.groups]
+        self.recurrent_layers = [l for g in self.groups if isinstance(g.spec, MambaSpec) for l in g.layer_ids]
+        # a recurrent group's "block table" is its one state slot
+        max_blocks = [1 if isinstance(g.spec, MambaSpec) else -(-self.max_model_len // self.block_size)
+                      for g in self.groups]
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks)
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.encoder_runs = 0  # media items encoded, for tests and stats
 
     # -- memory ---------------------------------------------------------------------------
     def _allocate_kv_caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """One (keys, values) pair per tensor slot, shared by the j-th layer of every group."""
+        """Attention layers: one (keys, values) pair per tensor slot, shared by the j-th
+        layer of every attention group. Recurrent layers: (conv window, delta-rule state)
+        per state slot."""
+        caches = {}
+        n_slots = self.kv_cache_config.num_state_slots
+        for g in self.groups:
+            if isinstance(g.spec, MambaSpec):
+                for layer in g.layer_ids:
+                    conv = torch.zeros(n_slots, *g.spec.conv_shape, dtype=g.spec.dtype, device=self.device)
+                    caches[layer] = (conv, torch.zeros(n_slots, *g.spec.ssm_shape, dtype=torch.float32, device=self.device))
         specs = {g.spec for g in self.groups if isinstance(g.spec, AttentionSpec)}
         if not specs:
-            return {}
+            return caches
         shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs}
         if len(shapes) != 1:
             raise ValueError(f"attention groups must share one page layout, got {shapes}")
@@ -73,14 +85,15 @@ class ModelRunner:
         n = self.kv_cache_config.num_blocks
         slots = []
         for _ in range(self.kv_cache_config.num_tensor_slots):
-            k = torch.empty(n, block_size, heads, head_size, dtype=dtype, device=self.device)
-            v = torch.empty_like(k)
-            # only the null block is ever read without being written (as padding): keep it finite
-            k[0].zero_()
-            v[0].zero_()
-            slots.append((k, v))
+            # zeroed: decode attention reads whole blocks, masked past each sequence's end,
+            # and a masked position must still hold a finite number (0 * NaN is NaN)
+            k = torch.zeros(n, block_size, heads, head_size, dtype=dtype, device=self.device)
+            slots.append((k, torch.zeros_like(k)))
         slot_of = self.kv_cache_config.tensor_slot_of_layer()
-        return {layer: slots[slot_of[layer]] for g in self.groups for layer in g.layer_ids}
+        for g in self.groups:
+            if isinstance(g.spec, AttentionSpec):
+                caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
+        return caches
 
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -93,8 +106,18 @@ class ModelRunner:
         embeds = self.model.embed_input_ids(step.input_ids)
         self._merge_multimodal_embeddings(step, embeds)
         ctx = self._forward_context(step)
+        self._copy_states(so.state_restores)
         hidden = self.model.forward(embeds, step.positions, ctx)
+        self._copy_states(so.state_saves)
         return self._sample(step, hidden)
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Recurrent-state slot copies the scheduler asked for (prefix-cache restores
+        before the forward, snapshots after it), in every recurrent layer."""
+        for src, dst in copies:
+            for layer in self.recurrent_layers:
+                for tensor in self.kv_caches[layer]:
+                    tensor[dst] = tensor[src]
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -205,24 +228,20 @@ class ModelRunner:
 
     def _forward_context(self, step: StepInputs) -> ForwardContext:
         batch = self.input_batch
-        metadata = []
+        attn, recurrent = {}, {}
         for g, group in enumerate(self.groups):
             spec = group.spec
+            tables = [batch.block_table(g, r) for r in step.rows]
+            if isinstance(spec, MambaSpec):
+                meta = build_recurrent_metadata([int(t[0]) for t in tables], step.num_computed, step.query_lens,
+                                                self.device)
+                recurrent.update({layer: meta for layer in group.layer_ids})
+                continue
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            metadata.append(
-                build_attention_metadata(
-                    [batch.block_table(g, r) for r in step.rows],
-                    step.num_computed,
-                    step.query_lens,
-                    self.block_size,
-                    window,
-                    self.device,
-                )
-            )
-        return ForwardContext(
-            kv_caches=self.kv_caches,
-            attn_metadata={layer: metadata[g] for layer, g in self.layer_group.items()},
-        )
+            meta = build_attention_metadata(tables, step.num_computed, step.query_lens, self.block_size, window,
+                                            self.device)
+            attn.update({layer: meta for layer in group.layer_ids})
+        return ForwardContext(kv_caches=self.kv_caches, attn_metadata=attn, layer_state=recurrent)
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         batch = self.input_batch
@@ -241,7 +260,6 @@ class ModelRunner:
                     prompt_lp_rows.append((i, token_start, last - c, c))
             token_start += q
 
-        prompt_logprobs: dict[str, list[LogprobsEntry]] = {}
         for i, start, count, first in prompt_lp_rows:
             row = step.rows[i]
             state = batch.states[row]
@@ -249,7 +267,11 @@ class ModelRunner:
             targets = batch.token_ids[row, first + 1 : first + 1 + count]
             n = state.sampling_params.prompt_logprobs
             state.prompt_logprobs.extend(logprobs_entry(lp[j], int(targets[j]), n) for j in range(count))
-            if i in sample_idx:  # prompt done: hand them over
+        # the prompt is done for every request that samples: hand its prompt logprobs over
+        prompt_logprobs: dict[str, list[LogprobsEntry]] = {}
+        for i in sample_idx:
+            state = batch.states[step.rows[i]]
+            if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 0:
                 prompt_logprobs[step.req_ids[i]] = state.prompt_logprobs
 
         sampled: list[list[int]] = [[] for _ in step.req_ids]

@@ -1,0 +1,150 @@
+"""Gated DeltaNet ops: the causal depthwise conv1d in front of the layer (with its carried
+state), and the gated delta rule — chunked for prefill, one step at a time for decode.
+
+The recurrence, per value head, with S a [d_k, d_v] state, q and k L2-normalised and q
+scaled by d_k^-1/2:
+    S <- S * exp(g_t);   S <- S + k_t (beta_t (v_t - k_t^T S))^T;   o_t = q_t^T S
+The chunked form computes the same thing for C tokens at once: the intra-chunk part as
+a (unit lower-triangular) linear system, the inter-chunk part through S. States are
+kept in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.kernels.registry import register
+
+CHUNK = 64
+
+
+@dataclass
+class RecurrentMetadata:
+    """Which state slot each request of the step uses; requests are laid out decodes
+    first (one token each, batched), then prefills (one by one)."""
+
+    num_decodes: int
+    decode_slots: torch.Tensor  # [num_decodes]
+    prefills: list[tuple[int, int, int, bool]]  # (token start, length, slot, has a prior state)
+
+
+def build_recurrent_metadata(
+    slots: list[int], num_computed: list[int], query_lens: list[int], device: torch.device | str = "cpu"
+) -> RecurrentMetadata:
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    prefills, start = [], num_decodes
+    for slot, c, q in zip(slots[num_decodes:], num_computed[num_decodes:], query_lens[num_decodes:]):
+        # a request that has computed tokens (or resumed from a snapshot) has a state
+        prefills.append((start, q, slot, c > 0))
+        start += q
+    return RecurrentMetadata(num_decodes, torch.tensor(slots[:num_decodes], dtype=torch.long, device=device), prefills)
+
+
+@register("causal_conv1d_prefill")
+def causal_conv1d_prefill(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, C]; weight: [C, K]; state: [C, K-1] (the K-1 inputs before x) or None for
+    zeros. Returns silu(conv(x)) as [T, C] and the new state."""
+    t, c = x.shape
+    k = weight.shape[1]
+    xt = x.t().to(weight.dtype)
+    if state is None:
+        state = xt.new_zeros(c, k - 1)
+    padded = torch.cat([state.to(weight.dtype), xt], dim=1)  # [C, K-1+T]
+    out = F.conv1d(padded.unsqueeze(0), weight.unsqueeze(1), groups=c).squeeze(0)  # [C, T]
+    return F.silu(out).t().to(x.dtype), padded[:, -(k - 1):].contiguous()
+
+
+@register("causal_conv1d_decode")
+def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [B, C] (one token each); state: [B, C, K-1]. Returns silu(conv) [B, C] and the new state."""
+    window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
+    out = (window * weight.unsqueeze(0)).sum(-1)
+    return F.silu(out).to(x.dtype), window[:, :, 1:]
+
+
+def _prepare(q, k, num_v_heads):
+    """Repeats key heads to the value heads, L2-normalises q and k, scales q."""
+    if q.shape[-2] != num_v_heads:
+        rep = num_v_heads // q.shape[-2]
+        q = q.repeat_interleave(rep, dim=-2)
+        k = k.repeat_interleave(rep, dim=-2)
+    q = q.float()
+    k = k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q, k
+
+
+@register("chunk_gated_delta_rule")
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. q, k: [T, Hk, dk]; v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]
+    or None (zeros). Returns o [T, H, dv] (in v's dtype) and the final state (fp32)."""
+    t, h, dv = v.shape
+    q, k = _prepare(q, k, h)
+    dk = q.shape[-1]
+    pad = -t % CHUNK
+    n = (t + pad) // CHUNK
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, CHUNK, ...]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        return x.reshape(n, CHUNK, *x.shape[1:]).movedim(2, 0)
+
+    qc, kc, vc = chunks(q), chunks(k), chunks(v.float())  # [H, n, C, d]
+    gc, bc = chunks(g.float()), chunks(beta.float())  # [H, n, C]
+    cum = gc.cumsum(-1)
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # [H, n, C, C]
+    k_beta = kc * bc.unsqueeze(-1)
+    system = (k_beta @ kc.transpose(-1, -2)) * decay
+    # (I + strictly-lower(system)) X = RHS; the diagonal is taken as 1
+    values = torch.linalg.solve_triangular(system, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (qc @ kc.transpose(-1, -2)) * decay
+    q_decayed = qc * cum.exp().unsqueeze(-1)
+    k_to_end = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()  # [H, n]
+
+    s = torch.zeros(h, dk, dv, dtype=torch.float32, device=q.device) if state is None else state.float()
+    out = torch.empty(h, n, CHUNK, dv, dtype=torch.float32, device=q.device)
+    for i in range(n):
+        v_new = values[:, i] - k_cum[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    o = out.reshape(h, n * CHUNK, dv)[:, :t].transpose(0, 1)
+    return o.to(v.dtype), s
+
+
+@register("recurrent_gated_delta_rule")
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B sequences. q, k: [B, Hk, dk]; v: [B, H, dv]; g, beta: [B, H];
+    state: [B, H, dk, dv]. Returns o [B, H, dv] and the new state (fp32)."""
+    h = v.shape[1]
+    q, k = _prepare(q, k, h)
+    s = state.float() * g.float().exp()[..., None, None]
+    remembered = torch.einsum("bhk,bhkv->bhv", k, s)
+    delta = (v.float() - remembered) * beta.float().unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = torch.einsum("bhk,bhkv->bhv", q, s)
+    return o.to(v.dtype), s

@@ -1,0 +1,315 @@
+"""Qwen3.5: a hybrid language model — Gated DeltaNet layers (causal conv1d + gated delta
+rule, a constant-size recurrent state per request) mixed with gated full-attention
+layers (q/k norms, sigmoid output gate, partial interleaved M-RoPE) — and a
+Qwen3-VL-style vision tower (patch 16, learned position embeddings, 2-D rotary).
+
+Module names follow the HF checkpoint (`model.visual.*`, `model.language_model.*`);
+q/k/v, gate/up and the four input projections of a DeltaNet layer are fused at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
+from vlmserve.kernels import ops
+from vlmserve.kernels.gdn import RecurrentMetadata
+from vlmserve.models.context import ForwardContext
+from vlmserve.models.layers import (
+    ACTIVATIONS,
+    FusedLinear,
+    GatedMLP,
+    PagedAttention,
+    ZeroCenteredRMSNorm,
+    mrope_cos_sin,
+    mrope_positions,
+    rope_inv_freq,
+)
+from vlmserve.models.qwen2_5_vl import VisionAttention, vision_rotary_positions
+from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
+from vlmserve.multimodal.inputs import MultiModalFeature
+
+
+# ----------------------------------------------------------------------------- vision
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(dim, hidden)
+        self.linear_fc2 = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x):
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(self, x, cos, sin, seq_lens):
+        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.hidden = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
+        self.linear_fc2 = nn.Linear(self.hidden, cfg.out_hidden_size)
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.hidden))))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.merge = cfg.spatial_merge_size
+        self.hidden = cfg.hidden_size
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        # a Conv3d whose kernel equals its stride is a matmul over flattened patches
+        self.patch_embed = nn.Linear(patch_dim, cfg.hidden_size, bias=True)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.grid_side = int(cfg.num_position_embeddings**0.5)
+        theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.hidden_size // cfg.num_heads // 2, theta), persistent=False)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg)
+
+    def position_embeddings(self, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The learned square table, resampled (bilinear, corners aligned) to each grid,
+        in merge-block order like the patches."""
+        side, m = self.grid_side, self.merge
+        table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)
+        out = []
+        for t, h, w in grid_thw:
+            grid = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)[0]  # [C, h, w]
+            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4)
+            out.append(grid.reshape(h * w, -1).repeat(t, 1))
+        return torch.cat(out).to(self.pos_embed.weight.dtype)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
+        x = x + self.position_embeddings(grid_thw)
+        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
+        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, cos, sin, frame_lens)
+        return self.merger(x)
+
+
+# ----------------------------------------------------------------------------- text
+class GatedAttention(PagedAttention):
+    """Full attention with per-head q/k RMSNorm, partial rotary and a sigmoid output gate."""
+
+    def __init__(self, cfg, layer_id: int) -> None:
+        head_dim = cfg.head_dim
+        super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
+                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, query_gate=True)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, ctx: ForwardContext):
+        n = h.shape[0]
+        qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # per head: [query | gate]
+        q, gate = qg.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = ops.apply_rotary(self.q_norm(q), cos, sin)
+        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        o = self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id])
+        return self.o_proj(o * torch.sigmoid(gate.reshape(n, self.q_size)))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k, self.head_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k
+        self.value_dim = self.num_v_heads * self.head_v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of the checkpoint, as one matmul
+        self.in_proj = FusedLinear(
+            cfg.hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], bias=False
+        )
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.head_v))
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k, self.head_v)
+
+    def forward(self, h, ctx: ForwardContext):
+        n = h.shape[0]
+        mixed, z, b, a = self.in_proj(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        meta: RecurrentMetadata = ctx.layer_state[self.layer_id]
+        conv_state, ssm_state = ctx.kv_caches[self.layer_id]
+        weight = self.conv1d.weight.squeeze(1)
+        nd = meta.num_decodes
+
+        conv_out = torch.empty_like(mixed)
+        if nd:
+            conv_out[:nd], conv_state[meta.decode_slots] = ops.causal_conv1d_decode(
+                mixed[:nd], weight, conv_state[meta.decode_slots]
+            )
+        for start, length, slot, has_state in meta.prefills:
+            init = conv_state[slot] if has_state else None
+            conv_out[start : start + length], conv_state[slot] = ops.causal_conv1d_prefill(
+                mixed[start : start + length], weight, init
+            )
+
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(n, self.num_k_heads, self.head_k)
+        k = k.view(n, self.num_k_heads, self.head_k)
+        v = v.view(n, self.num_v_heads, self.head_v)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+        core = torch.empty_like(v)
+        if nd:
+            core[:nd], ssm_state[meta.decode_slots] = ops.recurrent_gated_delta_rule(
+                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state[meta.decode_slots]
+            )
+        for start, length, slot, has_state in meta.prefills:
+            s = slice(start, start + length)
+            init = ssm_state[slot] if has_state else None
+            core[s], ssm_state[slot] = ops.chunk_gated_delta_rule(q[s], k[s], v[s], g[s], beta[s], init)
+
+        out = ops.gated_rms_norm(core.reshape(-1, self.head_v), z.reshape(-1, self.head_v), self.norm.weight, self.eps)
+        return self.out_proj(out.reshape(n, self.value_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int) -> None:
+        super().__init__()
+        self.kind = cfg.layer_types[layer_id]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, layer_id)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_id)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            x = x + self.linear_attn(h, ctx)
+        else:
+            x = x + self.self_attn(h, cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rope = cfg.rope_parameters or {}
+        rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
+        self.mrope_section = list(rope.get("mrope_section", [11, 11, 10]))
+        self.interleaved = bool(rope.get("mrope_interleaved", True))
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope.get("rope_theta", 1e7)), persistent=False)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
+        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+# ----------------------------------------------------------------------------- model
+class Qwen3_5ForConditionalGeneration(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = config.text_config
+        self.model = nn.Module()
+        self.model.visual = VisionTransformer(config.vision_config)
+        self.model.language_model = TextModel(self.text_config)
+        tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False))
+        self.lm_head = None if tied else nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
+        cfg = self.text_config
+        specs: dict[int, KVCacheSpec] = {}
+        for i, layer in enumerate(self.model.language_model.layers):
+            if layer.kind == "linear_attention":
+                conv, ssm = layer.linear_attn.state_shapes()
+                specs[i] = MambaSpec(block_size=block_size, conv_shape=conv, ssm_shape=ssm, dtype=dtype)
+            else:
+                specs[i] = FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
+                                             head_size=cfg.head_dim, dtype=dtype)
+        return specs
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        pixels = torch.cat([f.data["pixel_values"] for f in features])
+        grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
+        return list(self.model.visual(pixels, grids).split([f.length for f in features]))
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.language_model(embeds, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.T
+
+    @staticmethod
+    def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
+        # each frame group of a video is its own item (t = 1), its timestamp text between
+        return mrope_positions(token_ids, features, config.vision_config.spatial_merge_size)
+
+    # -- weights ------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        for name, tensor in weights:
+            if name.startswith("mtp."):
+                continue  # multi-token-prediction head: not used
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name.endswith("patch_embed.proj.weight") or name.endswith("patch_embed.proj.bias"):
+                target = name.replace("patch_embed.proj.", "patch_embed.")
+                loader.copy(target, tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor)
+                continue
+            for part, index in _DELTANET_INPUTS.items():
+                if part in name:
+                    loader.copy_shard(name.replace(part, ".in_proj."), tensor, index)
+                    break
+            else:
+                for part, (fused, index) in FUSED_PROJECTIONS.items():
+                    if part in name:
+                        loader.copy_shard(name.replace(part, fused), tensor, index)
+                        break
+                else:
+                    loader.copy(name, tensor)
+        loader.check_all_loaded()
+
+
+_DELTANET_INPUTS = {".in_proj_qkv.": 0, ".in_proj_z.": 1, ".in_proj_b.": 2, ".in_proj_a.": 3}

@@ -1,0 +1,131 @@
+"""Hybrid model: vlmserve vs transformers on a tiny random-weight Qwen3.5 (Gated DeltaNet +
+gated attention, Qwen3-VL vision tower) — greedy tokens equal, logprobs within 1e-4."""
+
+import pytest
+
+from conftest import make_image
+from test_qwen2_5_vl_parity import IMG_A, IMG_B, IMG_C, LONG_TEXT, check, greedy, request
+from vlmserve import LLM, SamplingParams
+
+CASES = {
+    "text": (LONG_TEXT, []),
+    "one_image": ("Describe the image.", [IMG_A]),
+    "two_images": ("What is in this picture? " * 2, [IMG_A, IMG_B]),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen35_path):
+    return LLM(qwen35_path, num_kv_blocks=256)
+
+
+def assert_all_free(llm):
+    stats = llm.engine.stats()
+    assert stats.blocks_in_use == [0, 0]  # attention blocks, live recurrent-state slots
+    kv = llm.engine.engine_core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.config.num_blocks - 1
+    assert not kv.state_pool.pending and not kv.state_pool.pinned
+    assert len(kv.state_pool.free) + len(kv.state_pool.snapshots) == kv.config.num_state_slots
+
+
+def test_kv_cache_groups_of_a_hybrid_model(llm):
+    kv = llm.engine.engine_core.scheduler.kv_cache_manager
+    kinds = [type(g.spec).__name__ for g in kv.config.groups]
+    assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]
+    assert kv.config.num_state_slots > llm.engine.scheduler_config.max_num_seqs
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_single_request_matches_transformers(llm, hf_qwen35, case):
+    text, images = CASES[case]
+    out = llm.generate(request(hf_qwen35, text, images), greedy(prompt_logprobs=-1))[0]
+    check(out, hf_qwen35, text, images, 16, prompt_logprobs=True)
+    assert_all_free(llm)
+
+
+def test_eight_mixed_requests_together(llm, hf_qwen35):
+    from test_qwen2_5_vl_parity import mixed_requests
+
+    specs, prompts, params = mixed_requests(hf_qwen35)
+    outs = llm.generate(prompts, params)
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen35, text, images, n)
+    assert_all_free(llm)
+
+
+def test_chunked_prefill_through_an_image(qwen35_path, hf_qwen35):
+    llm = LLM(qwen35_path, num_kv_blocks=256, max_num_batched_tokens=5)
+    text, images = CASES["two_images"]
+    out = llm.generate(request(hf_qwen35, text, images), greedy(prompt_logprobs=-1))[0]
+    check(out, hf_qwen35, text, images, 16, prompt_logprobs=True)
+    assert llm.engine.encoder_runs == 2
+    assert_all_free(llm)
+
+
+def test_preemption_with_a_tiny_kv_cache(qwen35_path, hf_qwen35):
+    from test_qwen2_5_vl_parity import mixed_requests
+
+    llm = LLM(qwen35_path, num_kv_blocks=14, max_num_seqs=8)
+    specs, prompts, params = mixed_requests(hf_qwen35)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen35, text, images, n)
+    assert_all_free(llm)
+
+
+def system_prompt_request(hf, question, images):
+    system = "You are a helpful assistant. Answer the question about the picture in one sentence. " * 2
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
+    prompt = hf.processor.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": content}], add_generation_prompt=True
+    )
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}, prompt
+
+
+@pytest.mark.parametrize("images", [[IMG_A], [IMG_A, IMG_B]], ids=["one_image", "two_images"])
+def test_prefix_cache_hits_for_the_recurrent_state(qwen35_path, hf_qwen35, images):
+    """Same system prompt + picture(s), another question: the second request resumes
+    from a snapshot of the DeltaNet state (and cached attention blocks), with the vision
+    tower loaded — and still gives transformers' answer."""
+    llm = LLM(qwen35_path, num_kv_blocks=256)
+    first_req, first_prompt = system_prompt_request(hf_qwen35, "Describe the image.", images)
+    second_req, second_prompt = system_prompt_request(hf_qwen35, "How many shapes are there?", images)
+    first = llm.generate(first_req, greedy(12))[0]
+    second = llm.generate(second_req, greedy(12))[0]
+    computed_first = first.num_prompt_tokens - first.num_cached_tokens
+    computed_second = second.num_prompt_tokens - second.num_cached_tokens
+    print(f"prompt tokens computed: first {computed_first} of {first.num_prompt_tokens}, "
+          f"second {computed_second} of {second.num_prompt_tokens}")
+    assert first.num_cached_tokens == 0
+    # the hit reaches past the last image: everything up to the question is reused
+    assert second.num_cached_tokens >= max(f.end for f in _features(llm, second_req)) // 16 * 16
+    assert computed_second < computed_first
+    stats = llm.engine.stats()
+    assert all(hits > 0 for hits in stats.prefix_cache_hits)  # in the attention and the recurrent group
+    for out, prompt in ((first, first_prompt), (second, second_prompt)):
+        ref_tokens, ref_lp = hf_qwen35.generate(prompt, images, 12)
+        assert out.outputs[0].token_ids == ref_tokens
+        chosen = [e.logprobs[0] for e in out.outputs[0].logprobs]
+        expected = [ref_lp[i, t].item() for i, t in enumerate(ref_tokens)]
+        assert max(abs(a - b) for a, b in zip(chosen, expected)) < 1e-4
+    assert_all_free(llm)
+
+
+def _features(llm, req):
+    return llm.engine.input_processor.process("probe", req, SamplingParams()).mm_features
+
+
+def test_recurrent_state_stays_constant_size(qwen35_path):
+    """However long the sequence, a request holds one state slot in the recurrent group."""
+    llm = LLM(qwen35_path, num_kv_blocks=256)
+    engine = llm.engine
+    engine.add_request("long", "Hello world " * 20, SamplingParams(max_tokens=60, ignore_eos=True))
+    peak = [0, 0]
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = [max(p, n) for p, n in zip(peak, engine.stats().blocks_in_use)]
+    kinds = [type(g.spec).__name__ for g in engine.engine_core.scheduler.kv_cache_manager.config.groups]
+    assert peak[kinds.index("MambaSpec")] == 1
+    assert peak[kinds.index("FullAttentionSpec")] > 5  # attention keeps growing with the sequence
+    assert_all_free(llm)

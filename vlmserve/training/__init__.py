@@ -1,0 +1,1 @@
+"""Training the default model on the shapes world, and scoring it."""

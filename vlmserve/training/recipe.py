@@ -1,0 +1,167 @@
+"""What the default model is: its tokenizer, chat template, processor and architecture.
+
+A Qwen3.5 (Gated DeltaNet + gated attention, Qwen3-VL-style vision tower) small enough
+to train on a 2-core CPU and to ship inside the package, sized for the shapes world:
+pictures are resized to 192 x 192 (6 x 6 merged tokens, two per grid cell side).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from vlmserve.training import shapes
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen-style. An image is <|vision_start|><|image_pad|><|vision_end|>; a video is a bare
+# <|video_pad|>, which the processor expands into "<t seconds><|vision_start|>...<|vision_end|>"
+# per pair of frames.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
+    "{{- '<|video_pad|>' }}"
+    "{%- elif part['type'] == 'text' %}"
+    "{{- part['text'] }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+IMAGE_SIDE = 192
+PATCH = 16
+MERGE = 2
+
+TEXT_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    # Gated DeltaNet and full attention alternate: attention reads the image by position,
+    # the recurrent layers carry what has been said so far
+    layer_types=["linear_attention", "full_attention"] * 3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    # half of each head rotates; 16 frequencies interleaved over time, rows and columns
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+    tie_word_embeddings=True,
+)
+
+VISION_CONFIG = dict(
+    depth=4,
+    hidden_size=192,
+    intermediate_size=768,
+    num_heads=3,
+    patch_size=PATCH,
+    temporal_patch_size=2,
+    spatial_merge_size=MERGE,
+    out_hidden_size=256,
+    num_position_embeddings=(IMAGE_SIDE // PATCH) ** 2,
+    hidden_act="gelu_pytorch_tanh",
+)
+
+# any square picture of 160..320 px comes out at exactly 192 x 192
+IMAGE_PROCESSOR = dict(min_pixels=176 * 176, max_pixels=208 * 208, patch_size=PATCH, merge_size=MERGE)
+# videos: 160..224 px per frame, whatever their length (4..8 frames) and size
+VIDEO_PROCESSOR = dict(
+    size={"shortest_edge": 4 * 128 * 128, "longest_edge": 8 * 160 * 160},
+    patch_size=PATCH, merge_size=MERGE, fps=2, min_frames=4, max_frames=16,
+)
+
+
+def tokenizer_corpus(n_scenes: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    corpus = ["system user assistant", "You are a helpful assistant."]
+    for _ in range(n_scenes):
+        scene = shapes.random_scene(rng)
+        for qa in shapes.all_questions(scene, rng):
+            corpus += [qa.question, qa.answer]
+    for _ in range(200):
+        corpus.append(shapes.random_video(rng, side=160).question.question)
+    corpus += [f"<{t / 2:.1f} seconds>" for t in range(40)]
+    corpus += shapes.DIRECTIONS
+    return corpus
+
+
+def build_tokenizer():
+    from vlmserve.testing.checkpoints import build_tokenizer as byte_level_bpe
+
+    return byte_level_bpe(tokenizer_corpus(), vocab_size=640)
+
+
+def build_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**IMAGE_PROCESSOR),
+        video_processor=Qwen3VLVideoProcessor(**VIDEO_PROCESSOR),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(tokenizer):
+    from transformers import Qwen3_5Config
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen3_5Config(
+        text_config=dict(
+            TEXT_CONFIG,
+            vocab_size=len(tokenizer),
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            bos_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=VISION_CONFIG,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    return config
+
+
+def save_skeleton(path: Path, tokenizer, processor) -> None:
+    """Everything but the weights: tokenizer, processor, chat template, generation config."""
+    from transformers import GenerationConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(str(path))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False, max_new_tokens=64).save_pretrained(str(path))

@@ -1,0 +1,239 @@
+"""The shapes world (../shared/SHAPES.md): pictures of coloured shapes on a 3x3 grid,
+the five kinds of questions about them, and short videos of one moving shape.
+
+Everything is drawn from the full ranges of the spec (picture side, background, sizes,
+placement, colour jitter, anti-aliasing, PNG/JPEG, MP4/frames), so a model trained on
+it answers for any picture drawn by the rules, not only for this generator's.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from dataclasses import dataclass, field
+
+from PIL import Image, ImageDraw
+
+POSITIONS = [
+    "top left", "top middle", "top right",
+    "middle left", "center", "middle right",
+    "bottom left", "bottom middle", "bottom right",
+]
+SHAPES = ["circle", "square", "triangle"]
+SIZES = {"small": (0.35, 0.50), "large": (0.70, 0.90)}
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 200, 40),
+    "purple": (140, 60, 180),
+    "orange": (245, 140, 30),
+}
+NUMBERS = ["zero", "one", "two", "three"]
+DIRECTIONS = ["left", "right", "up", "down"]
+COLOR_JITTER = 15
+
+
+@dataclass
+class Shape:
+    kind: str  # circle | square | triangle
+    color: str
+    size: str  # small | large
+    cell: int  # 0..8, row by row
+    rgb: tuple[int, int, int] = (0, 0, 0)
+    box: tuple[float, float, float] = (0.0, 0.0, 0.0)  # x0, y0, side in pixels
+
+    def phrase(self) -> str:
+        return f"a {self.size} {self.color} {self.kind} in the {POSITIONS[self.cell]}"
+
+
+@dataclass
+class Scene:
+    side: int
+    background: tuple[int, int, int]
+    shapes: list[Shape] = field(default_factory=list)
+
+
+# -- answers -------------------------------------------------------------------------
+def caption(scene: Scene) -> str:
+    parts = [s.phrase() for s in sorted(scene.shapes, key=lambda s: s.cell)]
+    if len(parts) == 1:
+        return parts[0] + "."
+    return ", ".join(parts[:-1]) + " and " + parts[-1] + "."
+
+
+@dataclass
+class QA:
+    kind: str  # caption | count | color | exists | where | direction
+    question: str
+    answer: str
+
+
+def all_questions(scene: Scene, rng: random.Random) -> list[QA]:
+    """One question of every kind that applies to the scene (exists: yes or no, 50/50)."""
+    qas = [
+        QA("caption", "Describe the image.", caption(scene)),
+        QA("count", "How many shapes are there?", NUMBERS[len(scene.shapes)]),
+    ]
+    kinds = [s.kind for s in scene.shapes]
+    unique = [s for s in scene.shapes if kinds.count(s.kind) == 1]
+    if unique:
+        s = rng.choice(unique)
+        qas.append(QA("color", f"What color is the {s.kind}?", s.color))
+    present = {(s.color, s.kind) for s in scene.shapes}
+    if rng.random() < 0.5:
+        color, kind = rng.choice(sorted(present))
+        qas.append(QA("exists", f"Is there a {color} {kind}?", "yes"))
+    else:
+        # hard negatives: often a present colour or a present shape, in a new pairing
+        absent = [(c, k) for c in COLORS for k in SHAPES if (c, k) not in present]
+        near = [(c, k) for c, k in absent if c in {p[0] for p in present} or k in kinds]
+        color, kind = rng.choice(near if near and rng.random() < 0.7 else absent)
+        qas.append(QA("exists", f"Is there a {color} {kind}?", "no"))
+    s = rng.choice(scene.shapes)
+    qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}"))
+    return qas
+
+
+def normalize_answer(text: str) -> str:
+    """Scoring rule of the spec: lower case, trimmed, one trailing period dropped."""
+    text = text.strip().lower()
+    return text[:-1] if text.endswith(".") else text
+
+
+# -- scenes ----------------------------------------------------------------------------
+def _jitter(rgb: tuple[int, int, int], rng: random.Random) -> tuple[int, int, int]:
+    return tuple(min(255, max(0, c + rng.randint(-COLOR_JITTER, COLOR_JITTER))) for c in rgb)
+
+
+def _place(cell: int, side_px: float, cell_px: float, rng: random.Random) -> tuple[float, float]:
+    row, col = divmod(cell, 3)
+    x0 = col * cell_px + rng.uniform(0, cell_px - side_px)
+    y0 = row * cell_px + rng.uniform(0, cell_px - side_px)
+    return x0, y0
+
+
+def random_scene(rng: random.Random, num_shapes: int | None = None, side: int | None = None) -> Scene:
+    side = side or rng.randint(160, 320)
+    scene = Scene(side, tuple(rng.randint(225, 255) for _ in range(3)))
+    n = num_shapes or rng.randint(1, 3)
+    cells = rng.sample(range(9), n)
+    used: set[tuple[str, str]] = set()
+    cell_px = side / 3
+    for cell in cells:
+        while True:
+            kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+            if (color, kind) not in used:
+                break
+        used.add((color, kind))
+        size = rng.choice(list(SIZES))
+        lo, hi = SIZES[size]
+        side_px = rng.uniform(lo, hi) * cell_px
+        x0, y0 = _place(cell, side_px, cell_px, rng)
+        scene.shapes.append(Shape(kind, color, size, cell, _jitter(COLORS[color], rng), (x0, y0, side_px)))
+    return scene
+
+
+def render(scene: Scene, rng: random.Random | None = None, antialias: bool | None = None) -> Image.Image:
+    """Draws the scene; anti-aliased (drawn 4x larger, then reduced) or not."""
+    if antialias is None:
+        antialias = rng.random() < 0.5 if rng else True
+    scale = 4 if antialias else 1
+    img = Image.new("RGB", (scene.side * scale, scene.side * scale), scene.background)
+    draw = ImageDraw.Draw(img)
+    for s in scene.shapes:
+        x0, y0, d = (v * scale for v in s.box)
+        if s.kind == "circle":
+            draw.ellipse([x0, y0, x0 + d, y0 + d], fill=s.rgb)
+        elif s.kind == "square":
+            draw.rectangle([x0, y0, x0 + d, y0 + d], fill=s.rgb)
+        else:  # isosceles, apex up
+            draw.polygon([(x0 + d / 2, y0), (x0, y0 + d), (x0 + d, y0 + d)], fill=s.rgb)
+    if antialias:
+        img = img.resize((scene.side, scene.side), Image.LANCZOS)
+    return img
+
+
+def encode_image(img: Image.Image, rng: random.Random) -> bytes:
+    """PNG, or JPEG at quality 85..100 (the spec's range)."""
+    buf = io.BytesIO()
+    if rng.random() < 0.5:
+        img.save(buf, format="PNG")
+    else:
+        img.save(buf, format="JPEG", quality=rng.randint(85, 100))
+    return buf.getvalue()
+
+
+def through_file(img: Image.Image, rng: random.Random) -> Image.Image:
+    """The picture as a model would receive it after PNG/JPEG encoding."""
+    return Image.open(io.BytesIO(encode_image(img, rng))).convert("RGB")
+
+
+# -- videos -----------------------------------------------------------------------------
+@dataclass
+class Video:
+    frames: list[Image.Image]
+    shape: Shape  # as in the first frame
+    direction: str
+
+    @property
+    def question(self) -> QA:
+        s = self.shape
+        return QA("direction", f"Which way does the {s.color} {s.kind} move?", self.direction)
+
+
+def random_video(rng: random.Random, num_frames: int | None = None, side: int | None = None) -> Video:
+    """One shape moving 1 to 2 cells in a straight line, 4 to 8 frames at 2 fps."""
+    n = num_frames or rng.randint(4, 8)
+    side = side or rng.randint(160, 320)
+    cell_px = side / 3
+    direction = rng.choice(DIRECTIONS)
+    dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]
+    distance = rng.uniform(1.0, 2.0) * cell_px
+    size = rng.choice(list(SIZES))
+    lo, hi = SIZES[size]
+    side_px = rng.uniform(lo, hi) * cell_px
+    # start anywhere the whole path stays inside the picture
+    span_x = (0, side - side_px) if dx == 0 else ((distance, side - side_px) if dx < 0 else (0, side - side_px - distance))
+    span_y = (0, side - side_px) if dy == 0 else ((distance, side - side_px) if dy < 0 else (0, side - side_px - distance))
+    x0, y0 = rng.uniform(*span_x), rng.uniform(*span_y)
+    kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    rgb = _jitter(COLORS[color], rng)
+    background = tuple(rng.randint(225, 255) for _ in range(3))
+    antialias = rng.random() < 0.5
+    frames, first = [], None
+    for i in range(n):
+        t = i / (n - 1)
+        x, y = x0 + dx * distance * t, y0 + dy * distance * t
+        cell = min(int((y + side_px / 2) // cell_px), 2) * 3 + min(int((x + side_px / 2) // cell_px), 2)
+        shape = Shape(kind, color, size, cell, rgb, (x, y, side_px))
+        first = first or shape
+        frames.append(render(Scene(side, background, [shape]), antialias=antialias))
+    return Video(frames, first, direction)
+
+
+def encode_mp4(frames: list[Image.Image], fps: int = 2) -> bytes:
+    """H.264 MP4 (yuv420p), as a user would upload it."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        w, h = frames[0].size
+        stream.width, stream.height = w - w % 2, h - h % 2
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}
+        for img in frames:
+            frame = av.VideoFrame.from_image(img.crop((0, 0, stream.width, stream.height)))
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def decode_video(data: bytes) -> list[Image.Image]:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return [f.to_image() for f in container.decode(video=0)]
