@@ -74,9 +74,23 @@ def mixed_requests(hf):
     return specs, [request(hf, t, i) for t, i, _ in specs], [greedy(n) for _, _, n in specs]
 
 
+def run_together(llm, prompts, params):
+    """Queues every request before the first step (LLM.generate admits them as their
+    media is processed), so they are batched, and preempted, together."""
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"together-{i}", prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"together-{i}"] for i in range(len(prompts))]
+
+
 def test_eight_mixed_requests_together(llm, hf_qwen25):
     specs, prompts, params = mixed_requests(hf_qwen25)
-    outs = llm.generate(prompts, params)
+    outs = run_together(llm, prompts, params)
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen25, text, images, n)
 
@@ -112,7 +126,7 @@ def test_prefix_cache_hit_reuses_kv_and_skips_the_encoder(qwen25_path, hf_qwen25
 def test_preemption_with_a_tiny_kv_cache(qwen25_path, hf_qwen25):
     llm = LLM(qwen25_path, num_kv_blocks=24, max_num_seqs=8)
     specs, prompts, params = mixed_requests(hf_qwen25)
-    outs = llm.generate(prompts, params)
+    outs = run_together(llm, prompts, params)
     assert llm.engine.stats().num_preemptions > 0
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen25, text, images, n)

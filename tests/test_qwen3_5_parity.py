@@ -4,7 +4,7 @@ gated attention, Qwen3-VL vision tower) — greedy tokens equal, logprobs within
 import pytest
 
 from conftest import make_image
-from test_qwen2_5_vl_parity import IMG_A, IMG_B, IMG_C, LONG_TEXT, check, greedy, request
+from test_qwen2_5_vl_parity import IMG_A, IMG_B, LONG_TEXT, check, greedy, request, run_together
 from vlmserve import LLM, SamplingParams
 
 CASES = {
@@ -47,7 +47,7 @@ def test_eight_mixed_requests_together(llm, hf_qwen35):
     from test_qwen2_5_vl_parity import mixed_requests
 
     specs, prompts, params = mixed_requests(hf_qwen35)
-    outs = llm.generate(prompts, params)
+    outs = run_together(llm, prompts, params)
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen35, text, images, n)
     assert_all_free(llm)
@@ -67,7 +67,7 @@ def test_preemption_with_a_tiny_kv_cache(qwen35_path, hf_qwen35):
 
     llm = LLM(qwen35_path, num_kv_blocks=14, max_num_seqs=8)
     specs, prompts, params = mixed_requests(hf_qwen35)
-    outs = llm.generate(prompts, params)
+    outs = run_together(llm, prompts, params)
     assert llm.engine.stats().num_preemptions > 0
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen35, text, images, n)

@@ -37,8 +37,9 @@ class EncoderCacheManager:
         mm_hash = request.mm_features[input_id].mm_hash
         if mm_hash not in self.sizes:
             return False
+        if request.request_id not in self.refs.get(mm_hash, ()):
+            self.stats.hits += 1  # once per request, not once per step it spans
         self._add_ref(mm_hash, request.request_id)
-        self.stats.hits += 1
         return True
 
     def can_allocate(self, request: Request, input_id: int, compute_budget: int) -> bool:

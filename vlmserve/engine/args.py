@@ -29,10 +29,16 @@ class EngineArgs:
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 16384
     # media
-    allowed_local_media_path: str | None = None
+    allowed_local_media_path: str | None = None  # local files only under this folder
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 16, "video": 2})
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 64 << 20
-    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_video_bytes: int = 200 << 20
+    media_fetch_timeout: float = 10.0
+    processor_cache_gb: float = 0.25
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every item
+    processing_threads: int = 4
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -1,6 +1,7 @@
-"""Prompt + media -> Request: tokenize, load and process media, expand placeholders,
-compute M-RoPE positions once, attach the block hasher. Everything that can be wrong
-with an input is found here, before the engine sees it."""
+"""Prompt + media -> Request: load and process media, expand placeholders exactly as the
+model's HF processor does, tokenize, compute M-RoPE positions once, attach the block
+hasher. Everything that can be wrong with an input is found here, before the engine
+sees it. Thread-safe: entry points run it in a pool, off the engine's step loop."""
 
 from __future__ import annotations
 
@@ -8,21 +9,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.multimodal.inputs import MultiModalFeature
-from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor, ProcessedMedia
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 
+MODALITIES = ("image", "video")
+
 
 @dataclass
 class PromptInput:
-    """A prompt as the engine takes it: text with one placeholder token per media item
-    (as the chat template writes them), or token ids, plus the media in order."""
+    """A prompt as the engine takes it: text with one placeholder token per media item (as
+    chat templates write them: <|image_pad|>, <|video_pad|>), or token ids, plus the
+    media of each modality in order, and per-item processing settings."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    images: list[Any] = field(default_factory=list)
-    image_settings: list[dict[str, Any]] = field(default_factory=list)  # per image, e.g. detail
+    media: dict[str, list[Any]] = field(default_factory=dict)  # modality -> sources
+    media_settings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per item, e.g. detail
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # for every item
 
     @classmethod
@@ -33,19 +36,37 @@ class PromptInput:
             return cls(prompt=prompt)
         if isinstance(prompt, dict):
             mm = prompt.get("multi_modal_data") or {}
-            unknown = set(mm) - {"image"}
+            unknown = set(mm) - set(MODALITIES)
             if unknown:
-                raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; supported: image")
-            images = mm.get("image", [])
-            if not isinstance(images, (list, tuple)):
-                images = [images]
+                raise ValueError(f"unsupported multi_modal_data keys {sorted(unknown)}; supported: {list(MODALITIES)}")
+            media = {modality: _as_items(modality, items) for modality, items in mm.items()}
             return cls(
                 prompt=prompt.get("prompt"),
                 prompt_token_ids=prompt.get("prompt_token_ids"),
-                images=list(images),
+                media=media,
                 mm_processor_kwargs=dict(prompt.get("mm_processor_kwargs") or {}),
             )
         raise TypeError(f"a prompt is a str or a dict, got {type(prompt).__name__}")
+
+    def settings_for(self, modality: str, index: int) -> dict[str, Any]:
+        per_item = self.media_settings.get(modality, [])
+        return {**self.mm_processor_kwargs, **(per_item[index] if index < len(per_item) else {})}
+
+
+def _as_items(modality: str, value: Any) -> list[Any]:
+    """One item or a list of them. A video may itself be a list of frames (PIL images or
+    H x W x C arrays): such a list is one video, not several."""
+    if not isinstance(value, (list, tuple)):
+        return [value]
+    if modality == "video" and value and _is_frame(value[0]):
+        return [list(value)]
+    return list(value)
+
+
+def _is_frame(x: Any) -> bool:
+    from PIL import Image
+
+    return isinstance(x, Image.Image) or (hasattr(x, "ndim") and x.ndim == 3)
 
 
 class InputProcessor:
@@ -53,7 +74,6 @@ class InputProcessor:
         self,
         tokenizer,
         mm_processor: MultiModalProcessor,
-        media_loader: MediaLoader,
         model_cls: type,
         hf_config,
         max_model_len: int,
@@ -61,10 +81,11 @@ class InputProcessor:
         block_hasher,
         max_media_tokens: int,
         block_size: int,
+        limit_mm_per_prompt: dict[str, int],
+        default_mm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.mm_processor = mm_processor
-        self.media_loader = media_loader
+        self.mm = mm_processor
         self.model_cls = model_cls
         self.hf_config = hf_config
         self.max_model_len = max_model_len
@@ -72,6 +93,10 @@ class InputProcessor:
         self.block_hasher = block_hasher
         self.max_media_tokens = max_media_tokens
         self.block_size = block_size
+        self.limits = limit_mm_per_prompt
+        self.default_mm_kwargs = dict(default_mm_kwargs or {})
+        self.placeholder = {"image": mm_processor.image_token, "video": mm_processor.video_token}
+        self.pad_id = {"image": mm_processor.image_token_id, "video": mm_processor.video_token_id}
         message_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.message_end_id = message_end if isinstance(message_end, int) and message_end >= 0 else None
 
@@ -85,18 +110,21 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> Request:
         inp = PromptInput.parse(prompt)
-        if inp.prompt_token_ids is not None:
-            token_ids = list(inp.prompt_token_ids)
-        elif inp.prompt is not None:
-            token_ids = self.tokenizer.encode(inp.prompt, add_special_tokens=False)
-        else:
+        if inp.prompt is None and inp.prompt_token_ids is None:
             raise ValueError("a prompt needs 'prompt' text or 'prompt_token_ids'")
-        media = []
-        for i, source in enumerate(inp.images):
-            per_image = inp.image_settings[i] if i < len(inp.image_settings) else {}
-            media.append(self._process_image(source, {**inp.mm_processor_kwargs, **per_image}, i))
-        token_ids, features = self._expand_placeholders(token_ids, media)
-        self._check_length(len(token_ids), params)
+        for modality, items in inp.media.items():
+            limit = self.limits.get(modality, 0)
+            if len(items) > limit:
+                raise ValueError(f"{len(items)} {modality}(s) in one prompt, over the limit of {limit} "
+                                 f"(--limit-mm-per-prompt {modality}={limit})")
+        media = {
+            m: [self._process_item(m, src, {**self.default_mm_kwargs, **inp.settings_for(m, i)}, i)
+                for i, src in enumerate(items)]
+            for m, items in inp.media.items()
+        }
+        token_ids = self._expand(inp, media)
+        self._check_length(len(token_ids))
+        features = self._features(token_ids, media)
         positions, delta = self.model_cls.mrope_positions(self.hf_config, token_ids, features)
         request = Request(
             request_id=request_id,
@@ -114,6 +142,115 @@ class InputProcessor:
         request.cache_points = self._cache_points(token_ids, features)
         return request
 
+    def _process_item(self, modality: str, source: Any, settings: dict[str, Any], index: int) -> ProcessedMedia:
+        try:
+            item = self.mm.process(source, modality, settings)
+        except ValueError as e:
+            raise type(e)(f"{modality} {index}: {e}") from None
+        tokens = item.replacement.count(self.placeholder[modality])
+        if tokens > self.max_media_tokens:
+            raise ValueError(
+                f"{modality} {index} needs {tokens} tokens, more than the engine's encoder budget of "
+                f"{self.max_media_tokens}; send a smaller {modality} or lower max_pixels"
+            )
+        return item
+
+    def _expand(self, inp: PromptInput, media: dict[str, list[ProcessedMedia]]) -> list[int]:
+        """Each placeholder becomes the HF processor's replacement for its item (pads, and
+        for Qwen3-style videos the frame timestamps), then the text is tokenized whole —
+        so the ids are exactly transformers'."""
+        if inp.prompt is not None:
+            return self.tokenizer.encode(self._expand_text(inp.prompt, media), add_special_tokens=False)
+        out, counters = [], dict.fromkeys(MODALITIES, 0)
+        by_id = {self.pad_id[m]: m for m in MODALITIES if self.pad_id[m] is not None}
+        for token in inp.prompt_token_ids:
+            modality = by_id.get(token)
+            if modality is None:
+                out.append(token)
+                continue
+            items = media.get(modality, [])
+            if counters[modality] >= len(items):
+                counters[modality] += 1
+                continue
+            out += self.tokenizer.encode(items[counters[modality]].replacement, add_special_tokens=False)
+            counters[modality] += 1
+        self._check_counts(counters, media)
+        return out
+
+    def _expand_text(self, text: str, media: dict[str, list[ProcessedMedia]]) -> str:
+        counters = dict.fromkeys(MODALITIES, 0)
+        parts, i = [], 0
+        marks = {self.placeholder[m]: m for m in MODALITIES if self.placeholder[m]}
+        while True:
+            found = [(text.find(mark, i), mark) for mark in marks if text.find(mark, i) >= 0]
+            if not found:
+                parts.append(text[i:])
+                break
+            at, mark = min(found)
+            modality = marks[mark]
+            parts.append(text[i:at])
+            items = media.get(modality, [])
+            if counters[modality] < len(items):
+                parts.append(items[counters[modality]].replacement)
+            counters[modality] += 1
+            i = at + len(mark)
+        self._check_counts(counters, media)
+        return "".join(parts)
+
+    @staticmethod
+    def _check_counts(counters: dict[str, int], media: dict[str, list[ProcessedMedia]]) -> None:
+        for modality in MODALITIES:
+            given = len(media.get(modality, []))
+            if counters[modality] != given:
+                raise ValueError(
+                    f"the prompt has {counters[modality]} {modality} placeholder(s) but {given} {modality}(s) were given"
+                )
+
+    def _features(self, token_ids: list[int], media: dict[str, list[ProcessedMedia]]) -> list[MultiModalFeature]:
+        """One feature per run of pad tokens. A video whose frame groups are separated by
+        timestamps (Qwen3.5) becomes one feature per group, each a grid of t = 1."""
+        runs: dict[str, list[tuple[int, int]]] = {m: [] for m in MODALITIES}
+        by_id = {self.pad_id[m]: m for m in MODALITIES if self.pad_id[m] is not None}
+        i = 0
+        while i < len(token_ids):
+            modality = by_id.get(token_ids[i])
+            if modality is None:
+                i += 1
+                continue
+            j = i
+            while j < len(token_ids) and token_ids[j] == token_ids[i]:
+                j += 1
+            runs[modality].append((i, j - i))
+            i = j
+        features = []
+        for modality in MODALITIES:
+            pending = list(runs[modality])
+            for item in media.get(modality, []):
+                features += self._split(item, pending)
+        return sorted(features, key=lambda f: f.offset)
+
+    def _split(self, item: ProcessedMedia, runs: list[tuple[int, int]]) -> list[MultiModalFeature]:
+        t, h, w = item.data["grid_thw"]
+        merge_unit = self.mm.image_processor.merge_size ** 2
+        total = t * h * w // merge_unit
+        mine, covered = [], 0
+        while covered < total:
+            offset, length = runs.pop(0)
+            mine.append((offset, length))
+            covered += length
+        if len(mine) == 1:
+            offset, length = mine[0]
+            return [MultiModalFeature(item.modality, item.mm_hash, offset, length, item.data)]
+        rows_per_token = merge_unit
+        features, start = [], 0
+        for k, (offset, length) in enumerate(mine):
+            frames = length * merge_unit // (h * w)
+            rows = slice(start, start + length * rows_per_token)
+            data = dict(item.data, pixel_values=item.data["pixel_values"][rows], grid_thw=(frames, h, w))
+            features.append(MultiModalFeature(item.modality, f"{item.mm_hash}.{k}", offset, length, data))
+            start += length * rows_per_token
+        return features
+
     def _cache_points(self, token_ids: list[int], features: list[MultiModalFeature]) -> list[int]:
         """Block boundaries where a later prompt likely diverges from this one: after each
         media item, after each message, at the end of the prompt (rounded down)."""
@@ -123,41 +260,7 @@ class InputProcessor:
         bs = self.block_size
         return sorted({e // bs * bs for e in ends if e // bs * bs > 0})
 
-    def _process_image(self, source: Any, settings: dict[str, Any], index: int) -> ProcessedMedia:
-        try:
-            loaded = self.media_loader.load_image(source)
-            processed = self.mm_processor.process_image(loaded, settings)
-        except ValueError as e:
-            raise type(e)(f"image {index}: {e}") from None
-        if processed.num_tokens > self.max_media_tokens:
-            raise ValueError(
-                f"image {index} needs {processed.num_tokens} tokens, more than the engine's "
-                f"encoder budget of {self.max_media_tokens}; send a smaller image or lower max_pixels"
-            )
-        return processed
-
-    def _expand_placeholders(
-        self, token_ids: list[int], media: list[ProcessedMedia]
-    ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Each image placeholder token becomes as many tokens as the image has embeddings."""
-        image_token = self.mm_processor.image_token_id
-        slots = [i for i, t in enumerate(token_ids) if t == image_token]
-        if len(slots) != len(media):
-            raise ValueError(
-                f"the prompt has {len(slots)} image placeholder(s) but {len(media)} image(s) were given"
-            )
-        out: list[int] = []
-        features: list[MultiModalFeature] = []
-        prev = 0
-        for slot, item in zip(slots, media):
-            out.extend(token_ids[prev:slot])
-            features.append(MultiModalFeature(item.modality, item.mm_hash, len(out), item.num_tokens, item.data))
-            out.extend([image_token] * item.num_tokens)
-            prev = slot + 1
-        out.extend(token_ids[prev:])
-        return out, features
-
-    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def _check_length(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
         if num_prompt_tokens >= self.max_model_len:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.multimodal.media import MediaLimits, MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
+from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
@@ -39,6 +41,14 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    request: Request  # the first sample's; the others are cloned from it
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
@@ -51,7 +61,19 @@ class LLMEngine:
 
         model, hf_config = load_model(self.model_path, dtype, args.device)
         self.hf_config = hf_config
-        self.mm_processor = MultiModalProcessor(self.model_path, hf_config)
+        media_loader = MediaLoader(
+            MediaLimits(
+                max_image_bytes=args.max_image_bytes,
+                max_image_pixels=args.max_image_pixels,
+                max_video_bytes=args.max_video_bytes,
+                allowed_local_media_path=args.allowed_local_media_path,
+                allowed_media_domains=list(args.allowed_media_domains),
+                fetch_timeout=args.media_fetch_timeout,
+            )
+        )
+        self.mm_processor = MultiModalProcessor(
+            self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
+        )
         self.tokenizer = self.mm_processor.hf_processor.tokenizer
 
         groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
@@ -78,17 +100,9 @@ class LLMEngine:
         encoder_manager = EncoderCacheManager(args.encoder_cache_size)
         self.engine_core = EngineCore(Scheduler(sched_config, kv_manager, encoder_manager), runner)
 
-        media_loader = MediaLoader(
-            MediaLimits(
-                max_image_bytes=args.max_image_bytes,
-                max_image_pixels=args.max_image_pixels,
-                allowed_local_media_path=args.allowed_local_media_path,
-            )
-        )
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
             mm_processor=self.mm_processor,
-            media_loader=media_loader,
             model_cls=type(model),
             hf_config=hf_config,
             max_model_len=max_model_len,
@@ -96,6 +110,8 @@ class LLMEngine:
             block_hasher=make_block_hasher(args.block_size),
             max_media_tokens=min(args.encoder_compute_budget, args.encoder_cache_size),
             block_size=args.block_size,
+            limit_mm_per_prompt=dict(args.limit_mm_per_prompt),
+            default_mm_kwargs=args.mm_processor_kwargs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - start
@@ -155,7 +171,7 @@ class LLMEngine:
         return [eos] if isinstance(eos, int) else list(eos)
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(
+    def process_request(
         self,
         request_id: str,
         prompt: str | dict | PromptInput,
@@ -163,24 +179,34 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-    ) -> None:
-        """Validates and queues a request; raises ValueError on bad input (nothing is kept)."""
+    ) -> ProcessedRequest:
+        """Validates and processes a request (media included); raises ValueError on bad
+        input. Thread-safe and independent of the step loop: run it in a worker pool."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         arrival_time = arrival_time or time.time()
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
-        first = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
-        inp = PromptInput.parse(prompt)
+        request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
+        return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def add_processed(self, processed: ProcessedRequest) -> None:
+        """Queues a processed request (on the thread that steps the engine)."""
+        rid = processed.request_id
+        if rid in self.output_processor.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        first = processed.request
         child_ids = self.output_processor.add_request(
-            request_id, inp.prompt, first.prompt_token_ids, params, arrival_time
+            rid, processed.prompt, first.prompt_token_ids, processed.params, first.arrival_time
         )
         for i, child_id in enumerate(child_ids):
-            # the samples share the processed prompt; only the ids and seeds differ
-            request = first if i == 0 else first.clone_as(child_id, params.for_child(i))
+            # the samples share the processed prompt; only their ids and seeds differ
+            request = first if i == 0 else first.clone_as(child_id, processed.params.for_child(i))
             request.request_id = child_id
             self.engine_core.add_request(request)
+
+    def add_request(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        self.add_processed(self.process_request(request_id, prompt, params, priority, cache_salt, arrival_time))
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):

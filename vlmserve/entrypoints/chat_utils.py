@@ -1,8 +1,10 @@
 """OpenAI-style chat messages -> (prompt text via the checkpoint's chat template, media).
 
-Content parts accepted: text; images as `image_url` ({"url": ...} or a string), `image`
-(a PIL image, numpy array, path or URL) or `image_pil`. The template only ever sees
-`{"type": "image"}` placeholders, so any Qwen-style template renders them.
+Content parts accepted: text; images as `image_url` ({"url": ..., "detail": ...} or a
+string), `image` (a PIL image, numpy array, path or URL) or `image_pil`; videos as
+`video_url` ({"url": ...} or a string) or `video` (a path, URL, frames or an array). The
+template only sees `{"type": "image"}` / `{"type": "video"}` placeholders, so any
+Qwen-style template renders them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from vlmserve.engine.input_processor import PromptInput
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
+_PART_MODALITY = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video"}
+
+
 @dataclass
 class ParsedChat:
     messages: list[dict[str, Any]]  # normalised for the template
-    images: list[Any] = field(default_factory=list)
-    image_settings: list[dict[str, Any]] = field(default_factory=list)  # per image, e.g. detail
+    media: dict[str, list[Any]] = field(default_factory=dict)  # modality -> sources, in order
+    settings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per item, e.g. detail
 
 
 def parse_chat_messages(messages: list[dict[str, Any]]) -> ParsedChat:
@@ -58,7 +63,8 @@ def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
         if not isinstance(text, str):
             raise ValueError(f"{where}.text must be a string")
         return {"type": "text", "text": text}
-    if kind in ("image_url", "image", "image_pil"):
+    if kind in _PART_MODALITY:
+        modality = _PART_MODALITY[kind]
         value = part.get(kind)
         settings: dict[str, Any] = {}
         if isinstance(value, dict):  # {"url": ..., "detail": ...}
@@ -67,9 +73,9 @@ def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
             value = value.get("url")
         if value is None:
             raise ValueError(f"{where} has no {kind!r} value")
-        parsed.images.append(value)
-        parsed.image_settings.append(settings)
-        return {"type": "image"}
+        parsed.media.setdefault(modality, []).append(value)
+        parsed.settings.setdefault(modality, []).append(settings)
+        return {"type": modality}
     raise ValueError(f"{where}: unsupported content part type {kind!r}")
 
 
@@ -89,4 +95,4 @@ def render_chat(
         )
     except Exception as e:  # a template error is the request's fault
         raise ValueError(f"the chat template could not render these messages: {e}") from None
-    return PromptInput(prompt=prompt, images=parsed.images, image_settings=parsed.image_settings)
+    return PromptInput(prompt=prompt, media=parsed.media, media_settings=parsed.settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
@@ -24,6 +25,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(self.engine.args.processing_threads, thread_name_prefix="vlmserve-media")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -54,22 +56,34 @@ class LLM:
         return self._run(prompts, sampling_params, None)
 
     def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
+        """Media processing runs in a thread pool while the engine steps: requests enter
+        the batch as soon as their pictures are ready."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        ids = []
-        try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-                rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
-                ids.append(rid)
-        except Exception:
-            self.engine.abort_request(ids)  # leave nothing behind from a rejected batch
-            raise
+        engine = self.engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        futures = [
+            self._pool.submit(engine.process_request, rid, prompt, params, priority[i] if priority else 0)
+            for i, (rid, prompt, params) in enumerate(zip(ids, prompts, sampling_params))
+        ]
+        added: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            next_to_add = 0
+            while len(finished) < len(ids):
+                # add, in order, every request whose processing is done (wait if none runs)
+                while next_to_add < len(futures) and (futures[next_to_add].done() or not engine.has_unfinished_requests()):
+                    engine.add_processed(futures[next_to_add].result())
+                    added.append(ids[next_to_add])
+                    next_to_add += 1
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            engine.abort_request(added)  # a rejected prompt leaves nothing behind
+            raise
         return [finished[rid] for rid in ids]

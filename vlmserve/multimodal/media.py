@@ -1,9 +1,10 @@
 """Loading media from what users hand in, with the checks a server needs.
 
-Every entry point goes through `MediaLoader`: data URLs, files (only under an allowed
-folder), PIL images and numpy arrays. Each item comes back decoded together with the
-bytes that identify it (the original encoded bytes, or the pixels of an object that
-arrived decoded), from which its mm_hash is computed.
+Every entry point goes through `MediaLoader`: data URLs; files, only under an allowed
+folder (also as file:// URLs); http(s) URLs, only from allowed hosts, with a timeout, a
+byte cap and no redirect to another host; PIL images, numpy arrays and lists of frames
+from the Python API. Each item comes back decoded, with the bytes that identify it (the
+original encoded bytes, or the pixels of an object that arrived decoded) for its mm_hash.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ import base64
 import binascii
 import io
 import os
-from dataclasses import dataclass
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,93 +30,203 @@ class MediaError(ValueError):
 
 
 @dataclass
-class LoadedImage:
-    image: Image.Image  # RGB
-    content: bytes  # what identifies it: the original file bytes, or mode+size+pixels
+class RawMedia:
+    """A media item read but not yet decoded: decoding is skipped on a cache hit."""
+
+    modality: str  # "image" | "video"
+    content: bytes  # what identifies it: the original encoded bytes, or mode+size+pixels
+    what: str  # a short description for error messages
+    decoded: Any = None  # set when the caller handed over a decoded object
+
+
+@dataclass
+class DecodedVideo:
+    frames: np.ndarray  # [num_frames, H, W, 3] uint8: every decoded frame
+    fps: float | None  # None for frames handed in without a rate
 
 
 @dataclass
 class MediaLimits:
     max_image_bytes: int = 20 << 20
-    max_image_pixels: int = 64 << 20  # refused before the pixels are decoded
-    allowed_local_media_path: str | None = None
-    background: tuple[int, int, int] = (255, 255, 255)  # for transparent images
+    max_image_pixels: int = 64 << 20  # refused from the header, before the pixels are decoded
+    max_video_bytes: int = 200 << 20
+    max_video_frames: int = 3600  # decoded frames; beyond this the video is refused
+    max_video_frame_pixels: int = 8 << 20
+    allowed_local_media_path: str | None = None  # None: no local files
+    allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) may fetch from
+    fetch_timeout: float = 10.0
+    background: tuple[int, int, int] = (255, 255, 255)  # for transparent images, as transformers
 
 
 class MediaLoader:
     def __init__(self, limits: MediaLimits | None = None) -> None:
         self.limits = limits or MediaLimits()
 
-    def load_image(self, source: Any) -> LoadedImage:
-        if isinstance(source, Image.Image):
-            return LoadedImage(self._to_rgb(source), _pixel_identity(source))
-        if isinstance(source, np.ndarray):
-            return self.load_image(_array_to_image(source))
-        if isinstance(source, (bytes, bytearray)):
-            return self._decode_image(bytes(source), "image bytes")
-        if isinstance(source, dict):  # OpenAI content part {"url": ...}
-            source = source.get("url", source)
-        if not isinstance(source, (str, os.PathLike)):
-            raise MediaError(f"unsupported image input of type {type(source).__name__}")
-        source = str(source)
-        if source.startswith("data:"):
-            return self._decode_image(_decode_data_url(source), "data URL")
-        if source.startswith(("http://", "https://")):
-            raise MediaError("fetching images over http(s) is not enabled on this server")
-        path = source[len("file://") :] if source.startswith("file://") else source
-        return self._decode_image(self._read_local(path), path)
+    def read(self, source: Any, modality: str) -> RawMedia:
+        """Reads a source (checking where it may come from and how big it is)."""
+        if modality == "image":
+            if isinstance(source, np.ndarray):
+                source = _array_to_image(source)
+            if isinstance(source, Image.Image):
+                return RawMedia("image", _pixel_identity(source), "image", decoded=source)
+            data, what = self._read(source, self.limits.max_image_bytes, "image")
+            return RawMedia("image", data, what)
+        if modality == "video":
+            if isinstance(source, (list, tuple)):  # frames: PIL images or arrays
+                frames = [np.asarray(self.decode_image(self.read(f, "image"))) for f in source]
+                if not frames:
+                    raise MediaError("the video has no frames")
+                if len({f.shape for f in frames}) != 1:
+                    raise MediaError("all frames of a video must have the same size")
+                source = np.stack(frames)
+            if isinstance(source, np.ndarray):
+                if source.ndim != 4 or source.shape[-1] != 3 or source.dtype != np.uint8:
+                    raise MediaError(f"a video array must be uint8 [frames, H, W, 3], got {source.dtype} {source.shape}")
+                identity = b"frames:" + str(source.shape).encode() + source.tobytes()
+                return RawMedia("video", identity, "video frames", decoded=DecodedVideo(source, None))
+            data, what = self._read(source, self.limits.max_video_bytes, "video")
+            return RawMedia("video", data, what)
+        raise MediaError(f"unsupported modality {modality!r}")
 
-    # -- helpers -------------------------------------------------------------------------
-    def _read_local(self, path: str) -> bytes:
-        allowed = self.limits.allowed_local_media_path
-        real = Path(path).expanduser().resolve()
-        if allowed is not None:
-            root = Path(allowed).expanduser().resolve()
-            if root != real and root not in real.parents:
-                raise MediaError(f"local file {path!r} is outside the allowed media folder")
-        if not real.is_file():
-            raise MediaError(f"no such file: {path!r}")
-        size = real.stat().st_size
-        if size > self.limits.max_image_bytes:
-            raise MediaError(f"file {path!r} is {size} bytes, over the {self.limits.max_image_bytes}-byte limit")
-        return real.read_bytes()
-
-    def _decode_image(self, data: bytes, what: str) -> LoadedImage:
-        if not data:
-            raise MediaError(f"{what} is empty (0 bytes)")
-        if len(data) > self.limits.max_image_bytes:
-            raise MediaError(f"{what} is {len(data)} bytes, over the {self.limits.max_image_bytes}-byte limit")
+    # -- images ---------------------------------------------------------------------------
+    def decode_image(self, raw: RawMedia) -> Image.Image:
+        if raw.decoded is not None:
+            return self._to_rgb(raw.decoded)
+        what = raw.what
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                # the header gives the size: refuse a decompression bomb before decoding it
-                w, h = img.size
-                if w * h > self.limits.max_image_pixels:
-                    raise MediaError(
-                        f"{what} is {w}x{h} pixels, over the {self.limits.max_image_pixels}-pixel limit"
-                    )
-                img.load()
-                img = ImageOps.exif_transpose(img)
-                rgb = self._to_rgb(img)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(raw.content))
+            # the header gives the size: refuse a decompression bomb before decoding it
+            w, h = img.size
+            if w * h > self.limits.max_image_pixels:
+                raise MediaError(f"{what} is {w}x{h} pixels, over the {self.limits.max_image_pixels}-pixel limit")
+            img.load()
+            return self._to_rgb(ImageOps.exif_transpose(img))
         except MediaError:
             raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise MediaError(f"{what} is too large to decode: {e}") from None
         except Exception as e:  # PIL raises many types for broken files
-            raise MediaError(f"{what} is not a readable image: {e}") from None
-        return LoadedImage(rgb, data)
+            raise MediaError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
 
     def _to_rgb(self, img: Image.Image) -> Image.Image:
         if img.mode == "RGB":
             return img
-        if img.mode == "P":
-            img = img.convert("RGBA")
-        if img.mode in ("RGBA", "LA"):
+        if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float grey: scale to 8 bits
+            arr = np.asarray(img, dtype=np.float64)
+            top = 65535.0 if arr.max() > 255 else 255.0
+            img = Image.fromarray((arr / top * 255).round().clip(0, 255).astype(np.uint8))
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
             background = Image.new("RGBA", rgba.size, self.limits.background + (255,))
             return Image.alpha_composite(background, rgba).convert("RGB")
-        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-            arr = np.asarray(img, dtype=np.float64)
-            top = 65535.0 if arr.max() > 255 else 255.0
-            return Image.fromarray((arr / top * 255).round().clip(0, 255).astype(np.uint8)).convert("RGB")
         return img.convert("RGB")
+
+    # -- videos ---------------------------------------------------------------------------
+    def decode_video(self, raw: RawMedia) -> DecodedVideo:
+        if raw.decoded is not None:
+            return raw.decoded
+        return self._decode_video(raw.content, raw.what)
+
+    def _decode_video(self, data: bytes, what: str) -> DecodedVideo:
+        import av
+
+        try:
+            with av.open(io.BytesIO(data)) as container:
+                if not container.streams.video:
+                    raise MediaError(f"{what} has no video stream")
+                stream = container.streams.video[0]
+                if stream.width * stream.height > self.limits.max_video_frame_pixels:
+                    raise MediaError(f"{what} frames are {stream.width}x{stream.height}, over the pixel limit")
+                rate = stream.average_rate or stream.guessed_rate
+                frames = []
+                for frame in container.decode(stream):
+                    if len(frames) >= self.limits.max_video_frames:
+                        raise MediaError(f"{what} has more than {self.limits.max_video_frames} frames")
+                    frames.append(frame.to_ndarray(format="rgb24"))
+        except MediaError:
+            raise
+        except Exception as e:  # av raises its own error types for broken containers
+            raise MediaError(f"{what} is not a readable video ({type(e).__name__}: {e})") from None
+        if not frames:
+            raise MediaError(f"{what} has no decodable frame")
+        return DecodedVideo(np.stack(frames), float(rate) if rate else None)
+
+    # -- sources -------------------------------------------------------------------------
+    def _read(self, source: Any, max_bytes: int, kind: str) -> tuple[bytes, str]:
+        """The encoded bytes of a source, and a short description of it for errors."""
+        if isinstance(source, (bytes, bytearray)):
+            data, what = bytes(source), f"{kind} bytes"
+        else:
+            if isinstance(source, dict):  # OpenAI content part {"url": ...}
+                source = source.get("url", source)
+            if not isinstance(source, (str, os.PathLike)):
+                raise MediaError(f"unsupported {kind} input of type {type(source).__name__}")
+            source = str(source)
+            if source.startswith("data:"):
+                data, what = _decode_data_url(source), f"{kind} data URL"
+            elif source.startswith(("http://", "https://")):
+                data, what = self._fetch(source, max_bytes), source
+            else:
+                path = source[len("file://") :] if source.startswith("file://") else source
+                data, what = self._read_local(path, max_bytes), path
+        if not data:
+            raise MediaError(f"{what} is empty (0 bytes)")
+        if len(data) > max_bytes:
+            raise MediaError(f"{what} is {len(data)} bytes, over the {max_bytes}-byte limit")
+        return data, what
+
+    def _read_local(self, path: str, max_bytes: int) -> bytes:
+        allowed = self.limits.allowed_local_media_path
+        if allowed is None:
+            raise MediaError(f"local file {path!r} refused: local media is not enabled (--allowed-local-media-path)")
+        real = Path(path).expanduser().resolve()  # resolves '..' and symlinks
+        root = Path(allowed).expanduser().resolve()
+        if root != real and root not in real.parents:
+            raise MediaError(f"local file {path!r} is outside the allowed media folder")
+        if not real.is_file():
+            raise MediaError(f"no such file: {path!r}")
+        size = real.stat().st_size
+        if size > max_bytes:
+            raise MediaError(f"file {path!r} is {size} bytes, over the {max_bytes}-byte limit")
+        return real.read_bytes()
+
+    def _fetch(self, url: str, max_bytes: int) -> bytes:
+        host = urllib.parse.urlsplit(url).hostname or ""
+        allowed = {d.lower() for d in self.limits.allowed_media_domains}
+        if host.lower() not in allowed:
+            if not allowed:
+                raise MediaError(f"fetching {url} refused: http(s) media is not enabled (--allowed-media-domains)")
+            raise MediaError(f"fetching {url} refused: host {host!r} is not in the allowed media domains")
+        opener = urllib.request.build_opener(_SameHostRedirects(host))
+        try:
+            with opener.open(url, timeout=self.limits.fetch_timeout) as resp:
+                declared = resp.headers.get("Content-Length")
+                if declared and declared.isdigit() and int(declared) > max_bytes:
+                    raise MediaError(f"{url} is {declared} bytes, over the {max_bytes}-byte limit")
+                data = resp.read(max_bytes + 1)
+        except MediaError:
+            raise
+        except urllib.error.HTTPError as e:
+            raise MediaError(f"fetching {url} failed: HTTP {e.code}") from None
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise MediaError(f"fetching {url} failed: {reason}") from None
+        if len(data) > max_bytes:
+            raise MediaError(f"{url} is over the {max_bytes}-byte limit")
+        return data
+
+
+class _SameHostRedirects(urllib.request.HTTPRedirectHandler):
+    def __init__(self, host: str) -> None:
+        self.host = host.lower()
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        target = (urllib.parse.urlsplit(newurl).hostname or "").lower()
+        if target != self.host:
+            raise MediaError(f"fetching {req.full_url} refused: it redirects to another host ({target})")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _pixel_identity(img: Image.Image) -> bytes:

@@ -1,59 +1,76 @@
-"""Turns loaded media into what the model's encoder consumes, with the HF processor of
-the checkpoint (so pixels match transformers exactly)."""
+"""Turns read media into what the model's encoder consumes, with the HF processor of the
+checkpoint (so pixels, grids, frame sampling and placeholder text match transformers
+exactly), behind a processor cache keyed by mm_hash."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from transformers import AutoProcessor
 
 from vlmserve.multimodal.hashing import mm_hash
-from vlmserve.multimodal.media import LoadedImage
+from vlmserve.multimodal.media import MediaError, MediaLoader, RawMedia
+
+# OpenAI's detail="low": a small pixel budget (256 patches of 14 px before merging)
+LOW_DETAIL_MAX_PIXELS = 256 * 14 * 14
+_SETTINGS = {"min_pixels", "max_pixels", "fps"}
 
 
 @dataclass
 class ProcessedMedia:
     modality: str
     mm_hash: str
-    num_tokens: int  # placeholder tokens (= encoder output embeddings)
+    replacement: str  # what the placeholder token becomes in the prompt text
     data: dict[str, Any]  # pixel_values, grid_thw, ...
 
-
-class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config) -> None:
-        self.hf_processor = AutoProcessor.from_pretrained(model_path)
-        self.image_processor = self.hf_processor.image_processor
-        self.merge_size = self.image_processor.merge_size
-        self.image_token_id = hf_config.image_token_id
-        self.video_token_id = getattr(hf_config, "video_token_id", None)
-
-    def process_image(self, loaded: LoadedImage, settings: dict[str, Any] | None = None) -> ProcessedMedia:
-        settings = normalize_settings(settings or {})
-        out = self.image_processor(images=[loaded.image], return_tensors="pt", **self._resize_kwargs(settings))
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        return ProcessedMedia(
-            modality="image",
-            mm_hash=mm_hash("image", loaded.content, settings),
-            num_tokens=_num_tokens(grid, self.merge_size),
-            data={"pixel_values": out["pixel_values"], "grid_thw": grid},
-        )
-
-    def _resize_kwargs(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """Per-request pixel bounds, on top of the processor's own."""
-        if settings.get("min_pixels") is None and settings.get("max_pixels") is None:
-            return {}
-        size = dict(self.image_processor.size)
-        if settings.get("min_pixels") is not None:
-            size["shortest_edge"] = int(settings["min_pixels"])
-        if settings.get("max_pixels") is not None:
-            size["longest_edge"] = int(settings["max_pixels"])
-        return {"size": size}
+    @property
+    def nbytes(self) -> int:
+        return self.data["pixel_values"].nbytes
 
 
-# OpenAI's detail="low": a small pixel budget (about 256 patches of 14 px before merging)
-LOW_DETAIL_MAX_PIXELS = 256 * 28 * 28 // 4
-_SETTINGS = {"min_pixels", "max_pixels"}
+@dataclass
+class ProcessorCacheStats:
+    hits: int = 0
+    misses: int = 0
+
+
+class ProcessorCache:
+    """Size-bounded LRU of processed media by mm_hash: a repeated image skips decoding
+    and resizing."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.size = 0
+        self.items: OrderedDict[str, ProcessedMedia] = OrderedDict()
+        self.stats = ProcessorCacheStats()
+        self.lock = threading.Lock()  # processing runs in a pool of threads
+
+    def get(self, key: str) -> ProcessedMedia | None:
+        with self.lock:
+            item = self.items.get(key)
+            if item is None:
+                self.stats.misses += 1
+                return None
+            self.items.move_to_end(key)
+            self.stats.hits += 1
+            return item
+
+    def put(self, item: ProcessedMedia) -> None:
+        if item.nbytes > self.capacity:
+            return
+        with self.lock:
+            if item.mm_hash in self.items:
+                return
+            self.items[item.mm_hash] = item
+            self.size += item.nbytes
+            while self.size > self.capacity:
+                _, old = self.items.popitem(last=False)
+                self.size -= old.nbytes
 
 
 def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -68,18 +85,100 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
     unknown = set(settings) - _SETTINGS
     if unknown:
         raise ValueError(f"unsupported media processing setting(s) {sorted(unknown)}; supported: {sorted(_SETTINGS)}")
-    for key in _SETTINGS & set(settings):
-        if settings[key] is None:
-            del settings[key]
-        elif int(settings[key]) <= 0:
-            raise ValueError(f"{key} must be positive, got {settings[key]}")
-        else:
-            settings[key] = int(settings[key])
-    return settings
+    out = {}
+    for key, value in settings.items():
+        if value is None:
+            continue
+        number = float(value) if key == "fps" else int(value)
+        if number <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+        out[key] = number
+    if "min_pixels" in out and "max_pixels" in out and out["min_pixels"] > out["max_pixels"]:
+        raise ValueError(f"min_pixels ({out['min_pixels']}) is larger than max_pixels ({out['max_pixels']})")
+    return out
 
 
-def _num_tokens(grid: tuple[int, int, int], merge: int) -> int:
-    t, h, w = grid
-    return t * h * w // (merge * merge)
+class MultiModalProcessor:
+    def __init__(self, model_path: str, hf_config, media_loader: MediaLoader, cache_bytes: int = 256 << 20) -> None:
+        self.hf_processor = AutoProcessor.from_pretrained(model_path)
+        self.image_processor = self.hf_processor.image_processor
+        self.video_processor = getattr(self.hf_processor, "video_processor", None)
+        self.loader = media_loader
+        self.image_token = self.hf_processor.image_token
+        self.video_token = getattr(self.hf_processor, "video_token", None)
+        self.image_token_id = hf_config.image_token_id
+        self.video_token_id = getattr(hf_config, "video_token_id", None)
+        self.cache = ProcessorCache(cache_bytes)
 
+    def process(self, source: Any, modality: str, settings: dict[str, Any] | None = None) -> ProcessedMedia:
+        """Reads, hashes, and (unless cached) decodes and processes one media item."""
+        settings = normalize_settings(settings or {})
+        if modality == "video" and self.video_processor is None:
+            raise MediaError("this model does not take videos")
+        raw = self.loader.read(source, modality)
+        key = mm_hash(modality, raw.content, settings)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        item = self._process_image(raw, key, settings) if modality == "image" else self._process_video(raw, key, settings)
+        self.cache.put(item)
+        return item
 
+    def _process_image(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
+        image = self.loader.decode_image(raw)
+        out = self.image_processor(images=[image], return_tensors="pt", **self._size_kwargs(self.image_processor, settings))
+        grid = out["image_grid_thw"]
+        return ProcessedMedia(
+            modality="image",
+            mm_hash=key,
+            replacement=self.hf_processor.replace_image_token({"image_grid_thw": grid}, 0),
+            data={"pixel_values": out["pixel_values"], "grid_thw": tuple(int(x) for x in grid[0])},
+        )
+
+    def _process_video(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
+        from transformers.video_utils import VideoMetadata
+
+        video = self.loader.decode_video(raw)
+        n, h, w = video.frames.shape[:3]
+        fps = video.fps if video.fps else float(settings.get("fps", self.video_processor.fps or 2))
+        meta = VideoMetadata(total_num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
+        sampling = {"fps": settings["fps"]} if "fps" in settings else {}
+        try:
+            indices = np.asarray(self.video_processor.sample_frames(metadata=meta, **sampling)).astype(int)
+        except ValueError as e:
+            raise MediaError(f"{raw.what}: cannot sample frames ({e})") from None
+        temporal = self.video_processor.temporal_patch_size
+        if len(indices) < temporal:
+            raise MediaError(f"{raw.what} has {n} frame(s); the model needs at least {temporal}")
+        meta.frames_indices = indices.tolist()
+        frames = torch.from_numpy(video.frames[indices]).permute(0, 3, 1, 2)
+        kwargs = dict(self._size_kwargs(self.video_processor, settings), video_metadata=[meta],
+                      do_sample_frames=False, return_tensors="pt")
+        if hasattr(type(self.video_processor), "cap_pixels_per_frame"):
+            # Qwen3-VL style: None means False, with a warning on every call
+            kwargs["cap_pixels_per_frame"] = self.video_processor.cap_pixels_per_frame or False
+        try:
+            out = self.video_processor(videos=[frames], **kwargs)
+        except ValueError as e:
+            raise MediaError(f"{raw.what}: {e}") from None
+        grid = out["video_grid_thw"]
+        data = {
+            "pixel_values": out["pixel_values_videos"],
+            "grid_thw": tuple(int(x) for x in grid[0]),
+            # seconds of video per temporal grid step (Qwen2.5-VL's M-RoPE time axis)
+            "second_per_grid_t": temporal / meta.sampled_fps,
+        }
+        replacement = self.hf_processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+        return ProcessedMedia("video", key, replacement, data)
+
+    @staticmethod
+    def _size_kwargs(processor, settings: dict[str, Any]) -> dict[str, Any]:
+        """Per-request pixel bounds, on top of the processor's own."""
+        if "min_pixels" not in settings and "max_pixels" not in settings:
+            return {}
+        size = dict(processor.size)
+        if "min_pixels" in settings:
+            size["shortest_edge"] = settings["min_pixels"]
+        if "max_pixels" in settings:
+            size["longest_edge"] = settings["max_pixels"]
+        return {"size": size}
