@@ -69,6 +69,16 @@ class HFReference:
         return self._cache[key]
 
     @torch.no_grad()
+    def generate_video(self, prompt: str, video_path: str, max_new_tokens: int) -> list[int]:
+        """Greedy tokens for a prompt with one video, decoded with transformers' PyAV reader."""
+        from transformers.video_utils import load_video
+
+        frames, meta = load_video(video_path, backend="pyav")
+        inp = self.processor(text=[prompt], videos=[frames], videos_kwargs={"video_metadata": [meta]}, return_tensors="pt")
+        out = self.model.generate(**inp, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, inp["input_ids"].shape[1]:].tolist(), inp["input_ids"][0].tolist()
+
+    @torch.no_grad()
     def prompt_logprobs(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], torch.Tensor]:
         inp = self.inputs(prompt, images)
         logits = self.model(**inp).logits[0]

@@ -29,9 +29,6 @@ from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_model_path(model: str | None) -> str:
     if model is None:
         raise ValueError("no model given: pass the path of a checkpoint folder")
@@ -53,13 +50,12 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         self.args = args
-        if args.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {args.dtype!r}")
-        dtype = _DTYPES[args.dtype]
         self.model_path = resolve_model_path(args.model)
         torch.manual_seed(args.seed)
 
-        model, hf_config = load_model(self.model_path, dtype, args.device)
+        model, hf_config = load_model(self.model_path, args.dtype, args.device)
+        dtype = next(model.parameters()).dtype
+        self.dtype = dtype
         self.hf_config = hf_config
         media_loader = MediaLoader(
             MediaLimits(

@@ -140,17 +140,25 @@ class MediaLoader:
                 if stream.width * stream.height > self.limits.max_video_frame_pixels:
                     raise MediaError(f"{what} frames are {stream.width}x{stream.height}, over the pixel limit")
                 rate = stream.average_rate or stream.guessed_rate
-                frames = []
-                for frame in container.decode(stream):
-                    if len(frames) >= self.limits.max_video_frames:
-                        raise MediaError(f"{what} has more than {self.limits.max_video_frames} frames")
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                frames, broken = [], 0
+                # packet by packet, so that a damaged frame is skipped, not fatal
+                for packet in container.demux(stream):
+                    try:
+                        decoded = packet.decode()
+                    except av.error.FFmpegError:
+                        broken += 1
+                        continue
+                    for frame in decoded:
+                        if len(frames) >= self.limits.max_video_frames:
+                            raise MediaError(f"{what} has more than {self.limits.max_video_frames} frames")
+                        frames.append(frame.to_ndarray(format="rgb24"))
         except MediaError:
             raise
         except Exception as e:  # av raises its own error types for broken containers
             raise MediaError(f"{what} is not a readable video ({type(e).__name__}: {e})") from None
         if not frames:
-            raise MediaError(f"{what} has no decodable frame")
+            detail = f" ({broken} damaged packet(s))" if broken else ""
+            raise MediaError(f"{what} has no decodable frame{detail}")
         return DecodedVideo(np.stack(frames), float(rate) if rate else None)
 
     # -- sources -------------------------------------------------------------------------

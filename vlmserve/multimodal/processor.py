@@ -142,11 +142,14 @@ class MultiModalProcessor:
         n, h, w = video.frames.shape[:3]
         fps = video.fps if video.fps else float(settings.get("fps", self.video_processor.fps or 2))
         meta = VideoMetadata(total_num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
-        sampling = {"fps": settings["fps"]} if "fps" in settings else {}
-        try:
-            indices = np.asarray(self.video_processor.sample_frames(metadata=meta, **sampling)).astype(int)
-        except ValueError as e:
-            raise MediaError(f"{raw.what}: cannot sample frames ({e})") from None
+        indices = np.arange(n)
+        if self.video_processor.do_sample_frames or "fps" in settings:
+            # the processor's own sampling (fps, min/max frames), as transformers applies it
+            sampling = {"fps": settings["fps"]} if "fps" in settings else {}
+            try:
+                indices = np.asarray(self.video_processor.sample_frames(metadata=meta, **sampling)).astype(int)
+            except (ValueError, TypeError) as e:
+                raise MediaError(f"{raw.what}: cannot sample frames ({e})") from None
         temporal = self.video_processor.temporal_patch_size
         if len(indices) < temporal:
             raise MediaError(f"{raw.what} has {n} frame(s); the model needs at least {temporal}")

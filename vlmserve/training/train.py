@@ -6,10 +6,17 @@ Resumable: the state (weights, optimizer, step) is saved every few minutes and o
 Ctrl-C; rerunning the same command continues from it. Batches are a pure function of
 (seed, step), so a resumed run sees exactly the data an uninterrupted one would.
 
-Recipe: one question per sequence, exactly the format of evaluation. Batches are
-homogeneous (captions / short answers / videos), which keeps padding low; they are
-drawn 40% / 45% / 15%, since captions need every object right and are the hardest.
-Loss on answer tokens only. AdamW, warm-up then cosine decay, bf16 autocast.
+Recipe, in two phases:
+1. Vision. The vision tower (and its merger) learns to see first, with dense labels the
+   generator gives for free: the merged tokens of each grid cell are pooled and a linear
+   head names what is in the cell (empty, or one of 3 shapes x 6 colours x 2 sizes). A
+   language model trained from scratch on top of a random tower takes thousands of
+   steps to start looking at the picture at all; this phase makes that unnecessary.
+2. Vision-language. One question per sequence, exactly the format of evaluation.
+   Batches are homogeneous (captions / short answers / videos), which keeps padding
+   low, drawn 40% / 45% / 15%: captions need every object right and are the hardest.
+   Loss on answer tokens only; the tower keeps learning at a third of the rate.
+AdamW, warm-up then cosine decay, bf16 autocast, in both phases.
 """
 
 from __future__ import annotations
@@ -114,6 +121,45 @@ class BatchStream(torch.utils.data.IterableDataset):
             step += 1
 
 
+# -- phase 1: the vision tower ---------------------------------------------------------------
+CELL_CLASSES = [(k, c, z) for k in shapes.SHAPES for c in shapes.COLORS for z in shapes.SIZES]
+
+
+def cell_labels(scene: shapes.Scene) -> list[int]:
+    """Per grid cell: 0 if empty, else 1 + the index of (shape, colour, size)."""
+    labels = [0] * 9
+    for s in scene.shapes:
+        labels[s.cell] = 1 + CELL_CLASSES.index((s.kind, s.color, s.size))
+    return labels
+
+
+class CellBatches(torch.utils.data.IterableDataset):
+    def __init__(self, processor, seed: int, start: int, batch_size: int) -> None:
+        self.processor, self.seed, self.start, self.batch_size = processor, seed, start, batch_size
+
+    def __iter__(self):
+        step = self.start
+        while True:
+            rng = random.Random(f"{self.seed}-vision-{step}")
+            images, labels = [], []
+            for _ in range(self.batch_size):
+                scene = shapes.random_scene(rng)
+                images.append(shapes.through_file(shapes.render(scene, rng), rng))
+                labels.append(cell_labels(scene))
+            out = self.processor.image_processor(images=images, return_tensors="pt")
+            yield step, out["pixel_values"], out["image_grid_thw"], torch.tensor(labels)
+            step += 1
+
+
+def cell_logits(model, head: torch.nn.Linear, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Merged tokens of each 192-px picture form a 6x6 grid: 2x2 of them per cell."""
+    side = recipe.IMAGE_SIDE // recipe.PATCH // recipe.MERGE
+    per = side // 3
+    tokens = model.model.visual(pixels, grid_thw=grid).pooler_output
+    cells = tokens.float().view(-1, 3, per, 3, per, tokens.shape[-1]).mean(dim=(2, 4))
+    return head(cells.reshape(-1, 9, tokens.shape[-1]))
+
+
 # -- evaluation during training ------------------------------------------------------------
 @torch.no_grad()
 def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]]) -> dict[str, float]:
@@ -142,9 +188,9 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def save_state(path: Path, model, optimizer, step: int, log: list[dict]) -> None:
+def save_state(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log}, tmp)
+    torch.save(state, tmp)
     os.replace(tmp, path)  # atomic: a crash mid-save leaves the previous state intact
 
 
@@ -158,13 +204,17 @@ def export(model, tokenizer, processor, out: Path, dtype: torch.dtype) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--vision-steps", type=int, default=600)
+    ap.add_argument("--vision-batch-size", type=int, default=64)
+    ap.add_argument("--vision-lr", type=float, default=2e-3)
+    ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--tower-lr-scale", type=float, default=0.3)
+    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save-minutes", type=float, default=5.0)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = ap.parse_args()
@@ -180,38 +230,107 @@ def main() -> None:
     config = recipe.build_config(tokenizer)
     torch.manual_seed(args.seed)
     model = Qwen3_5ForConditionalGeneration(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    head = torch.nn.Linear(config.vision_config.out_hidden_size, len(CELL_CLASSES) + 1)
     state_path = args.out / "train_state.pt"
-    start, log = 0, []
+    state = {"phase": "vision", "step": 0, "log": []}
     if state_path.exists():
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, log = state["step"], state["log"]
-        logger.info("resumed from step %d", start)
+        head.load_state_dict(state["head"])
+        logger.info("resumed: %s phase, step %d", state["phase"], state["step"])
     (args.out / "run.json").write_text(json.dumps(vars(args), default=str, indent=1))
-    logger.info("model: %.2fM parameters; %d steps of %d", sum(p.numel() for p in model.parameters()) / 1e6,
-                args.steps, args.batch_size)
-
-    # a fixed validation set from a seed training never uses
-    val_rng = random.Random(f"validation-{args.seed}")
-    val = [make_batch(processor, val_rng, kind, 64) for kind in ("caption", "short", "short", "video")]
+    logger.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
 
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    loader = torch.utils.data.DataLoader(
-        BatchStream(processor, args.seed, start, args.batch_size), batch_size=None, num_workers=1, prefetch_factor=4
+
+    def checkpoint(optimizer, phase: str, step: int) -> None:
+        save_state(state_path, {"phase": phase, "step": step, "log": state["log"], "model": model.state_dict(),
+                                "head": head.state_dict(), "optimizer": optimizer.state_dict()})
+
+    if state["phase"] == "vision":
+        params = list(model.model.visual.parameters()) + list(head.parameters())
+        optimizer = torch.optim.AdamW(params, lr=args.vision_lr, weight_decay=0.01)
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+        step = train_vision(args, model, head, processor, optimizer, state, stop, checkpoint)
+        if stop["now"]:
+            checkpoint(optimizer, "vision", step)
+            logger.info("stopped at vision step %d; rerun the same command to resume", step)
+            return
+        state.update(phase="vlm", step=0)
+        state.pop("optimizer", None)
+
+    tower = set(id(p) for p in model.model.visual.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if id(p) not in tower], "scale": 1.0},
+         {"params": list(model.model.visual.parameters()), "scale": args.tower_lr_scale}],
+        lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01,
     )
+    if "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+    step = train_vlm(args, model, processor, optimizer, state, stop, checkpoint)
+    checkpoint(optimizer, "vlm", step)
+    with open(args.out / "train_log.jsonl", "w") as f:
+        for entry in state["log"]:
+            f.write(json.dumps(entry) + "\n")
+    if step >= args.steps:
+        export(model, tokenizer, processor, args.out / "model", getattr(torch, args.export_dtype))
+        logger.info("done: exported to %s", args.out / "model")
+    else:
+        logger.info("stopped at step %d; rerun the same command to resume", step)
+
+
+def train_vision(args, model, head, processor, optimizer, state, stop, checkpoint) -> int:
+    import torch.nn.functional as F
+
+    loader = torch.utils.data.DataLoader(CellBatches(processor, args.seed, state["step"], args.vision_batch_size),
+                                         batch_size=None, num_workers=1, prefetch_factor=4)
     model.train()
-    last_save = time.time()
-    t0, ema = time.time(), {}
+    last_save, t0, start = time.time(), time.time(), state["step"]
+    step = start
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for step, pixels, grid, labels in loader:
+        if step >= args.vision_steps or stop["now"]:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.vision_steps, args.vision_lr, 50)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = cell_logits(model, head, pixels, grid)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        entry = {"phase": "vision", "step": step + 1, "loss": round(loss.item(), 4), "time": round(time.time() - t0, 1)}
+        if (step + 1) % 20 == 0:
+            entry["pictures_right"] = round((logits.argmax(-1) == labels).all(-1).float().mean().item(), 3)
+            logger.info("vision step %d loss %.3f pictures right %.2f (%.2fs/step)", step + 1, loss.item(),
+                        entry["pictures_right"], (time.time() - t0) / (step + 1 - start))
+        state["log"].append(entry)
+        if time.time() - last_save > args.save_minutes * 60:
+            checkpoint(optimizer, "vision", step + 1)
+            last_save = time.time()
+        step += 1
+    return step
+
+
+def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int:
+    # a fixed validation set from a seed training never uses
+    val_rng = random.Random(f"validation-{args.seed}")
+    val = [make_batch(processor, val_rng, kind, 64) for kind in ("caption", "short", "short", "video")]
+    loader = torch.utils.data.DataLoader(BatchStream(processor, args.seed, state["step"], args.batch_size),
+                                         batch_size=None, num_workers=1, prefetch_factor=4)
+    model.train()
+    last_save, t0, start, ema = time.time(), time.time(), state["step"], {}
     step = start
     for step, kind, inputs, _ in loader:
         if step >= args.steps or stop["now"]:
             break
+        lr = lr_at(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            group["lr"] = lr * group["scale"]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**inputs).loss
         loss.backward()
@@ -219,27 +338,20 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema[kind] = loss.item() if kind not in ema else 0.95 * ema[kind] + 0.05 * loss.item()
-        entry = {"step": step + 1, "kind": kind, "loss": round(loss.item(), 4), "time": round(time.time() - t0, 1)}
+        entry = {"phase": "vlm", "step": step + 1, "kind": kind, "loss": round(loss.item(), 4),
+                 "time": round(time.time() - t0, 1)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             entry["exact_match"] = exact_match_by_kind(model, val)
-            logger.info("step %d eval %s", step + 1, entry["exact_match"])
-        log.append(entry)
+            logger.info("step %d exact match %s", step + 1, entry["exact_match"])
+        state["log"].append(entry)
         if (step + 1) % 20 == 0:
-            logger.info("step %d lr %.2e loss %s (%.2fs/step)", step + 1, optimizer.param_groups[0]["lr"],
+            logger.info("step %d lr %.2e loss %s (%.2fs/step)", step + 1, lr,
                         {k: round(v, 3) for k, v in ema.items()}, (time.time() - t0) / (step + 1 - start))
         if time.time() - last_save > args.save_minutes * 60:
-            save_state(state_path, model, optimizer, step + 1, log)
+            checkpoint(optimizer, "vlm", step + 1)
             last_save = time.time()
         step += 1
-    save_state(state_path, model, optimizer, step, log)
-    with open(args.out / "train_log.jsonl", "w") as f:
-        for entry in log:
-            f.write(json.dumps(entry) + "\n")
-    if step >= args.steps:
-        export(model, tokenizer, processor, args.out / "model", getattr(torch, args.export_dtype))
-        logger.info("done: exported to %s", args.out / "model")
-    else:
-        logger.info("stopped at step %d; rerun the same command to resume", step)
+    return step
 
 
 if __name__ == "__main__":

@@ -35,9 +35,27 @@ def _skip_param_init(dtype: torch.dtype):
             cls.reset_parameters = fn
 
 
-def load_model(model_path: str | Path, dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, object]:
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, hf_config) -> torch.dtype:
+    """'auto' runs the checkpoint's own dtype, except that half precision runs as bfloat16
+    (CPUs have fast bf16 matmuls, not fp16 ones)."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
+        return _DTYPES[name]
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = _DTYPES.get(saved)
+    return torch.bfloat16 if saved in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def load_model(model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu") -> tuple[nn.Module, object]:
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
+    if not isinstance(dtype, torch.dtype):
+        dtype = resolve_dtype(dtype, hf_config)
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
         model = model_cls(hf_config)

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible server, as a real uvicorn process, driven by the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import make_image, png_bytes
+from vlmserve import LLM, SamplingParams
+
+IMG = make_image(130, 100, seed=11)
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
+               "--served-model-name", "tiny", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=self._read_log, daemon=True).start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + "".join(self.log))
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not come up:\n" + "".join(self.log))
+
+    def _read_log(self):
+        for line in self.proc.stdout:
+            self.log.append(line)
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.base + "/metrics").text
+        values = [float(m.group(1)) for m in re.finditer(rf"^vlmserve:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        return sum(values)
+
+    def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served-media")
+    (folder / "pic.png").write_bytes(png_bytes(IMG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(qwen25_path, media_dir):
+    s = Server(qwen25_path, "--api-key", KEY, "--allowed-local-media-path", str(media_dir), "--max-request-mb", "1",
+               "--num-kv-blocks", "512")
+    yield s
+    s.stop()
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+def image_chat(url: str, text: str = "Describe the image.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
+
+
+@pytest.mark.slow
+def test_chat_with_images_streamed_and_not_equal_to_the_llm_api(server, qwen25_path, media_dir):
+    client = server.client()
+    kwargs = dict(model="tiny", temperature=0.8, top_p=0.9, seed=1234, max_tokens=16)
+    by_data = client.chat.completions.create(messages=image_chat(data_url(IMG)), **kwargs)
+    by_file = client.chat.completions.create(messages=image_chat(str(media_dir / "pic.png")), **kwargs)
+    stream = client.chat.completions.create(messages=image_chat(data_url(IMG)), stream=True,
+                                            stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    text = by_data.choices[0].message.content
+    assert text and streamed == text == by_file.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == by_data.usage.completion_tokens
+    llm = LLM(qwen25_path, num_kv_blocks=512)
+    ref = llm.chat(image_chat(data_url(IMG)), SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16))[0]
+    assert ref.outputs[0].text == text
+    usage = by_data.usage
+    assert usage.prompt_tokens == ref.num_prompt_tokens
+    assert usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # the same picture again: its blocks come from the prefix cache
+    assert by_file.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_n_stop_logprobs(server):
+    client = server.client()
+    two = client.chat.completions.create(model="tiny", messages=image_chat(data_url(IMG)), n=2, temperature=1.0,
+                                         seed=7, max_tokens=12)
+    assert len(two.choices) == 2 and [c.index for c in two.choices] == [0, 1]
+    free = client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    stop = text[6:9]
+    cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5,
+                                        logprobs=True, top_logprobs=3, temperature=0)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+@pytest.mark.slow
+def test_errors_have_the_right_status_and_the_next_request_works(server):
+    client = server.client()
+    ok = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
+    cases = [
+        (server.client("wrong-key"), dict(ok), openai.AuthenticationError, 401, "API key"),
+        (client, dict(ok, model="gpt-4o"), openai.NotFoundError, 404, "does not exist"),
+        (client, dict(ok, messages=image_chat("data:image/png;base64,iVBORw0KGgo=")), openai.BadRequestError, 400,
+         "not a readable image"),
+        (client, dict(ok, messages=image_chat("/etc/passwd")), openai.BadRequestError, 400, "outside the allowed"),
+        (client, dict(ok, messages=image_chat("http://example.com/a.png")), openai.BadRequestError, 400, "not enabled"),
+        (client, dict(ok, messages=[{"role": "user", "content": "Hello " * 6000}]), openai.BadRequestError, 400,
+         "context"),
+        (client, dict(ok, temperature=-1), openai.BadRequestError, 400, "temperature"),
+        (client, dict(ok, response_format={"type": "json_object"}), openai.BadRequestError, 400, "response_format"),
+        (client, dict(ok, messages=image_chat(data_url(make_image(900, 900, 1)) * 1)), openai.APIStatusError, 413,
+         "limit"),
+    ]
+    for c, kwargs, error, status, message in cases:
+        with pytest.raises(error) as info:
+            c.chat.completions.create(**kwargs)
+        assert info.value.status_code == status, (status, info.value)
+        assert message in str(info.value)
+        body = info.value.body if isinstance(info.value.body, dict) else {}
+        assert body.get("message") or body.get("error")  # OpenAI's error JSON
+        assert client.chat.completions.create(**ok).choices[0].message.content is not None
+
+
+@pytest.mark.slow
+def test_concurrent_streams_hangups_and_health_under_load(server):
+    async def stream_one(client, i, hang_up):
+        stream = await client.chat.completions.create(
+            model="tiny", messages=image_chat(data_url(make_image(64 + i, 64, i))), max_tokens=40, stream=True,
+            extra_body={"ignore_eos": True})
+        text, n = "", 0
+        async for chunk in stream:
+            n += 1
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if hang_up and n == 3:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return text
+
+    async def health_latencies(stop):
+        times = []
+        async with httpx.AsyncClient() as h:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = await h.get(server.base + "/health")
+                times.append(time.perf_counter() - t)
+                assert r.status_code == 200
+                await asyncio.sleep(0.05)
+        return times
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
+        stop = asyncio.Event()
+        health = asyncio.create_task(health_latencies(stop))
+        results = await asyncio.gather(*[stream_one(client, i, hang_up=i >= 32) for i in range(40)])
+        stop.set()
+        return results, await health
+
+    results, latencies = asyncio.run(main())
+    assert all(r for r in results[:32]) and all(r is None for r in results[32:])
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.1  # the API stays responsive while the engine computes
+    deadline = time.time() + 10
+    while time.time() < deadline and (server.metric("kv_cache_blocks_in_use") or server.metric("num_requests_running")):
+        time.sleep(0.2)
+    assert server.metric("kv_cache_blocks_in_use") == 0
+    assert server.metric("num_requests_running") == 0 and server.metric("num_requests_waiting") == 0
+    assert server.metric("time_to_first_token_seconds_count") >= 32
+    assert server.metric("encoder_cache_misses_total") >= 32
+
+
+@pytest.mark.slow
+def test_queue_full_and_graceful_shutdown(qwen25_path):
+    s = Server(qwen25_path, "--max-pending-requests", "2", "--max-num-seqs", "2")
+
+    def long_request(results):
+        r = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 300, "ignore_eos": True},
+                       timeout=60)
+        results.append((r.status_code, r.json()["usage"]["completion_tokens"]))
+
+    results: list[int] = []
+    threads = [threading.Thread(target=long_request, args=(results,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    busy = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert busy.status_code == 429 and "try again" in busy.json()["error"]["message"]
+    # SIGTERM while two requests are in flight: they finish, then the process exits
+    code = s.stop(signal.SIGTERM, timeout=60)
+    for t in threads:
+        t.join()
+    assert results == [(200, 300), (200, 300)]  # finished in full
+    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained

@@ -1,0 +1,196 @@
+"""The engine for servers: it steps in a background thread while asyncio code awaits
+results, so an HTTP server stays responsive however busy the model is.
+
+Media processing runs in a thread pool (never on the event loop, never on the step
+loop); the engine thread owns the engine and takes new requests and aborts between
+steps from a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.llm_engine import LLMEngine, ProcessedRequest
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, max_pending_requests: int = 512) -> None:
+        self.engine = LLMEngine(args)
+        self.max_pending = max_pending_requests
+        self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
+        self.stats = self.engine.stats()  # refreshed by the engine thread, read by /metrics
+        self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | dict | Any,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they improve; the last one is finished.
+
+        Processing errors (bad media, a prompt too long) raise ValueError before anything
+        is yielded. Cancelling the iteration (a client that hangs up) aborts the request.
+        """
+        self._check_alive()
+        if self.num_pending >= self.max_pending:
+            raise QueueFullError(f"the server has {self.num_pending} requests in flight; try again later")
+        loop = asyncio.get_running_loop()
+        out_queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, out_queue)
+        finished = False
+        try:
+            processed: ProcessedRequest = await loop.run_in_executor(
+                self.pool, self.engine.process_request, request_id, prompt, params, priority, cache_salt, time.time()
+            )
+            self._commands.put(("add", processed))
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call_in_engine(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
+        """Runs fn(engine) on the engine thread (between steps) and returns its result."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def job(engine):
+            try:
+                box["value"] = fn(engine)
+            except BaseException as e:  # handed back to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        self._commands.put(("call", job))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not answer in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight (for a graceful shutdown)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if not self._streams:
+                return True
+            time.sleep(0.05)
+        return not self._streams
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                # block for work only when idle; otherwise just drain what arrived
+                self._drain_commands(block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    for listener in self.step_listeners:
+                        listener(outputs)
+                    for out in outputs:
+                        self._deliver(out.request_id, out)
+                self.stats = engine.stats()
+        except BaseException as e:  # a bug, not bad input: fail every open stream loudly
+            logger.exception("engine thread died")
+            self._error = e
+            with self._lock:
+                streams = list(self._streams)
+            for rid in streams:
+                self._deliver(rid, EngineDeadError(f"engine failure: {e!r}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, kind: str, payload: Any) -> None:
+        engine = self.engine
+        if kind == "add":
+            if payload.request_id not in self._streams:
+                return  # the client left while its media was being processed
+            try:
+                engine.add_processed(payload)
+            except ValueError as e:
+                self._deliver(payload.request_id, e)
+        elif kind == "abort":
+            engine.abort_request(payload)
+        elif kind == "call":
+            payload(engine)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, out_queue = target
+            loop.call_soon_threadsafe(out_queue.put_nowait, item)

@@ -1,0 +1,90 @@
+"""The `vlmserve` command: serve (OpenAI API), caption (batch CLI), ui (Gradio), eval."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vlmserve.engine.args import EngineArgs
+
+
+def parse_limits(text: str) -> dict[str, int]:
+    """'image=4,video=1' -> {'image': 4, 'video': 1}"""
+    limits = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("image", "video") or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected image=N,video=M, got {text!r}")
+        limits[key.strip()] = int(value)
+    return limits
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint folder (default: the shipped shapes model)")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory-gb")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size)
+    g.add_argument("--seed", type=int, default=d.seed)
+    m = p.add_argument_group("media")
+    m.add_argument("--allowed-local-media-path", default=None, help="serve local files under this folder only")
+    m.add_argument("--allowed-media-domains", default="", help="comma-separated hosts http(s) media may come from")
+    m.add_argument("--limit-mm-per-prompt", type=parse_limits, default=dict(d.limit_mm_per_prompt),
+                   help="image=N,video=M")
+    m.add_argument("--max-image-mb", type=float, default=d.max_image_bytes / (1 << 20))
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        encoder_cache_size=args.encoder_cache_size,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=[h.strip() for h in args.allowed_media_domains.split(",") if h.strip()],
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        max_image_bytes=int(args.max_image_mb * (1 << 20)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    serve.add_argument("--max-pending-requests", type=int, default=512, help="beyond this, answer 429")
+    serve.add_argument("--max-request-mb", type=int, default=64, help="larger request bodies get 413")
+    serve.add_argument("--log-level", default="INFO")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        from vlmserve.entrypoints.openai.api_server import run_server
+
+        run_server(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
