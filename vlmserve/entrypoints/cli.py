@@ -76,13 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-request-mb", type=int, default=64, help="larger request bodies get 413")
     serve.add_argument("--log-level", default="INFO")
 
+    caption = sub.add_parser("caption", help="caption images and videos into a JSONL file")
+    add_engine_args(caption)
+    from vlmserve.entrypoints.caption import add_caption_args
+
+    add_caption_args(caption)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command == "caption" else "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         from vlmserve.entrypoints.openai.api_server import run_server
 
         run_server(args)
+    elif args.command == "caption":
+        from vlmserve.entrypoints.caption import run_caption
+
+        return run_caption(args)
     return 0
 
 

@@ -107,6 +107,8 @@ class MediaLoader:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise MediaError(f"{what} is too large to decode: {e}") from None
+        except Image.UnidentifiedImageError:
+            raise MediaError(f"{what} is not a readable image (not a known image format)") from None
         except Exception as e:  # PIL raises many types for broken files
             raise MediaError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
 

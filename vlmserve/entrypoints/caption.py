@@ -1,0 +1,298 @@
+"""`vlmserve caption`: one caption per image (or video) into a JSONL file, through the
+engine's continuous batching — resumable, deduplicated, and on Ray when asked.
+
+Rows are written (and flushed) as they finish, so an interrupted run loses nothing that
+was done; `--resume` skips the paths already in the output. Byte-identical files (same
+mm_hash) are captioned once; each copy gets its original's caption and `duplicate_of`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmserve.multimodal.hashing import mm_hash
+from vlmserve.multimodal.processor import normalize_settings
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
+
+
+@dataclass
+class Row:
+    path: str
+    caption: str | None = None
+    mm_hash: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    duplicate_of: str | None = None
+
+
+@dataclass
+class Summary:
+    total: int = 0
+    done: int = 0
+    skipped: int = 0  # already in the output (--resume)
+    duplicates: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        rate = self.done / self.seconds if self.seconds else 0.0
+        extras = "".join(f", {k} {v}" for k, v in self.extra.items())
+        return (f"done {self.done} (of which duplicates {self.duplicates}), skipped {self.skipped}, failed "
+                f"{self.failed}, in {self.seconds:.1f}s: {rate:.2f} files/s{extras}")
+
+
+# -- inputs ---------------------------------------------------------------------------------
+def modality_of(path: str) -> str | None:
+    ext = Path(path).suffix.lower()
+    return "image" if ext in IMAGE_EXTS else "video" if ext in VIDEO_EXTS else None
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Files, folders (recursive), globs, and .txt / .jsonl lists of paths, in order, once each."""
+    out: list[str] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            out += sorted(str(f) for f in p.rglob("*") if f.is_file() and modality_of(str(f)))
+        elif p.suffix.lower() in (".txt", ".jsonl") and p.is_file():
+            for line in p.read_text().splitlines():
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                out.append(json.loads(line)["path"] if p.suffix.lower() == ".jsonl" else line)
+        elif any(ch in item for ch in "*?["):
+            out += sorted(f for f in glob.glob(item, recursive=True) if os.path.isfile(f))
+        else:
+            out.append(item)  # a missing file becomes an error row, not a crash
+    seen: set[str] = set()
+    return [p for p in out if not (p in seen or seen.add(p))]
+
+
+def done_paths(out_path: Path) -> set[str]:
+    """Paths already in an output file; a torn last line (a crash mid-write) is ignored."""
+    if not out_path.exists():
+        return set()
+    paths = set()
+    for line in out_path.read_text().splitlines():
+        try:
+            paths.add(json.loads(line)["path"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return paths
+
+
+# -- the job on one machine -----------------------------------------------------------------------
+class Captioner:
+    """Drives an LLMEngine over a list of files with a bounded number in flight."""
+
+    def __init__(self, engine, prompt: str, video_prompt: str, params, settings: dict[str, Any],
+                 concurrency: int) -> None:
+        self.engine = engine
+        self.params = params
+        self.settings = normalize_settings(settings)
+        self.concurrency = concurrency
+        processor = engine.mm_processor.hf_processor
+        self.prompts = {
+            m: processor.apply_chat_template([{"role": "user", "content": [{"type": m}, {"type": "text", "text": q}]}],
+                                             tokenize=False, add_generation_prompt=True)
+            for m, q in (("image", prompt), ("video", video_prompt))
+        }
+        self.pool = ThreadPoolExecutor(engine.args.processing_threads, thread_name_prefix="vlmserve-caption")
+
+    def _prepare(self, path: str):
+        """Reads a file and hashes it (duplicates stop here: they are not decoded)."""
+        modality = modality_of(path) or "image"
+        # the files are the ones the user named: read them directly, then apply the size checks
+        raw = self.engine.mm_processor.loader.read(Path(path).read_bytes(), modality)
+        return modality, raw, mm_hash(modality, raw.content, self.settings)
+
+    def _process(self, rid: str, modality: str, raw) -> Any:
+        from vlmserve.engine.input_processor import PromptInput
+
+        prompt = PromptInput(prompt=self.prompts[modality], media={modality: [raw.content]},
+                             media_settings={modality: [dict(self.settings)]})
+        return self.engine.process_request(rid, prompt, self.params)
+
+    def run(self, paths: list[str]) -> Iterator[Row]:
+        """Yields a row per path, as they finish (duplicates right after their original)."""
+        engine = self.engine
+        reads: dict[str, Future] = {p: self.pool.submit(self._prepare, p) for p in paths[: 4 * self.concurrency]}
+        queue = list(paths)
+        by_hash: dict[str, str] = {}  # mm_hash -> the path captioned for it
+        finished: dict[str, Row] = {}  # by original path
+        waiting_copies: dict[str, list[str]] = {}  # original path -> copies
+        in_flight: dict[str, tuple[str, str]] = {}  # request id -> (path, mm_hash)
+        processing: dict[str, Future] = {}
+        ids = 0
+        while queue or in_flight or processing:
+            # admit new files while there is room
+            while queue and len(in_flight) < self.concurrency:
+                path = queue.pop(0)
+                for ahead in queue[: 4 * self.concurrency]:
+                    if ahead not in reads:
+                        reads[ahead] = self.pool.submit(self._prepare, ahead)
+                future = reads.pop(path, None) or self.pool.submit(self._prepare, path)
+                try:
+                    modality, raw, key = future.result()
+                except Exception as e:
+                    yield Row(path, error=f"{type(e).__name__}: {e}")
+                    continue
+                original = by_hash.get(key)
+                if original is not None:
+                    if original in finished:
+                        yield _copy_row(finished[original], path)
+                    else:
+                        waiting_copies.setdefault(original, []).append(path)
+                    continue
+                by_hash[key] = path
+                rid = f"caption-{ids}"
+                ids += 1
+                processing[rid] = self.pool.submit(self._process, rid, modality, raw)
+                in_flight[rid] = (path, key)
+            # requests whose media is processed join the batch
+            for rid in [r for r, f in processing.items() if f.done() or not engine.has_unfinished_requests()]:
+                path, key = in_flight[rid]
+                try:
+                    engine.add_processed(processing.pop(rid).result())
+                except Exception as e:
+                    del in_flight[rid]
+                    row = Row(path, mm_hash=key, error=f"{type(e).__name__}: {e}")
+                    yield from self._finish(row, finished, waiting_copies)
+            if not engine.has_unfinished_requests():
+                continue
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                path, key = in_flight.pop(out.request_id)
+                c = out.outputs[0]
+                row = Row(path, caption=c.text, mm_hash=key, prompt_tokens=out.num_prompt_tokens,
+                          output_tokens=len(c.token_ids), finish_reason=c.finish_reason, error=out.error)
+                yield from self._finish(row, finished, waiting_copies)
+
+    @staticmethod
+    def _finish(row: Row, finished: dict[str, Row], waiting_copies: dict[str, list[str]]) -> Iterator[Row]:
+        finished[row.path] = row
+        yield row
+        for copy in waiting_copies.pop(row.path, []):
+            yield _copy_row(row, copy)
+
+    def abort_all(self) -> None:
+        ids = list(self.engine.output_processor.requests)
+        self.engine.abort_request(ids)
+
+
+def _copy_row(original: Row, path: str) -> Row:
+    return Row(path, original.caption, original.mm_hash, original.prompt_tokens, original.output_tokens,
+               original.finish_reason, original.error, duplicate_of=original.path)
+
+
+# -- command line ----------------------------------------------------------------------------------
+def add_caption_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", help="files, folders, globs, or .txt/.jsonl lists of paths")
+    p.add_argument("--out", required=True, type=Path, help="JSONL output, one row per input")
+    p.add_argument("--prompt", default="Describe the image.")
+    p.add_argument("--video-prompt", default=None, help="prompt for videos (default: --prompt)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (benchmarks)")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--max-pixels", type=int, default=None, help="resize images to at most this many pixels")
+    p.add_argument("--batch-size", type=int, default=32, help="files in flight at once")
+    p.add_argument("--resume", action="store_true", help="skip paths already in --out")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on a Ray cluster (a local one when no address is given)")
+    p.add_argument("--ray-workers", type=int, default=2, help="engines (actors) on the Ray cluster")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_caption(args: argparse.Namespace) -> int:
+    from vlmserve.entrypoints.cli import engine_args_from
+    from vlmserve.sampling_params import SamplingParams
+
+    paths = expand_inputs(args.inputs)
+    summary = Summary(total=len(paths))
+    already = done_paths(args.out) if args.resume else set()
+    if args.out.exists() and not args.resume:
+        args.out.unlink()  # a fresh run starts a fresh file
+    todo = [p for p in paths if p not in already]
+    summary.skipped = len(paths) - len(todo)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sample_seed, ignore_eos=args.ignore_eos)
+    settings = {"max_pixels": args.max_pixels} if args.max_pixels else {}
+    engine_args = engine_args_from(args)
+    video_prompt = args.video_prompt or args.prompt
+    start = time.time()
+    if args.ray:
+        from vlmserve.entrypoints.caption_ray import run_on_ray
+
+        rows = run_on_ray(args.ray, args.ray_workers, todo, engine_args, args.prompt, video_prompt, params, settings,
+                          args.batch_size)
+        summary.extra["workers"] = args.ray_workers
+        write_rows(rows, args.out, summary, len(todo), not args.no_progress)
+    else:
+        from vlmserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_args)
+        captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
+        interrupted = {"now": False}
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(now=True))
+        try:
+            rows = _until(captioner.run(todo), interrupted)
+            write_rows(rows, args.out, summary, len(todo), not args.no_progress)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        stats = engine.stats()
+        summary.extra["encoder cache hits"] = stats.encoder_cache_hits
+        summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
+        if interrupted["now"]:
+            captioner.abort_all()
+            summary.seconds = time.time() - start
+            print(f"interrupted: {summary.line()}; rerun with --resume to continue", file=sys.stderr)
+            return 130
+    summary.seconds = time.time() - start
+    print(summary.line(), file=sys.stderr)
+    return 1 if summary.failed else 0
+
+
+def _until(rows: Iterator[Row], interrupted: dict) -> Iterator[Row]:
+    for row in rows:
+        yield row
+        if interrupted["now"]:
+            return
+
+
+def write_rows(rows, out: Path, summary: Summary, total: int, progress: bool) -> None:
+    from tqdm import tqdm
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=total, unit="file", disable=not progress, dynamic_ncols=True)
+    with open(out, "a") as f:
+        for row in rows:
+            f.write(json.dumps(asdict(row)) + "\n")
+            f.flush()  # a crash or Ctrl-C loses nothing that was written
+            summary.done += row.error is None
+            summary.failed += row.error is not None
+            summary.duplicates += row.duplicate_of is not None
+            bar.update(1)
+            bar.set_postfix(failed=summary.failed, refresh=False)
+    bar.close()
