@@ -1,1 +1,1 @@
-"""Gradio chat UI (a later issue)."""
+"""The Gradio chat UI (`vlmserve ui`)."""

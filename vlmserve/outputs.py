@@ -41,6 +41,8 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsEntry] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # media items: encoded / from the encoder cache / covered by the prefix cache (when finished)
+    media_stats: dict[str, int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -91,6 +91,9 @@ class Request:
         # token counts after which a later request is likely to diverge (end of a media
         # item, a message, the prompt): where recurrent-state snapshots are worth taking
         self.cache_points: list[int] = []
+        # where each media item's embeddings came from: "encoded" or "encoder_cache"
+        # (items wholly inside the prefix-cache hit never needed them)
+        self.media_sources: dict[int, str] = {}
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
@@ -148,6 +151,18 @@ class Request:
     @property
     def has_encoder_inputs(self) -> bool:
         return bool(self.mm_features)
+
+    def media_stats(self) -> dict[str, int]:
+        """How many media items were encoded, came from the encoder cache, or were
+        skipped because the prefix cache already held their KV."""
+        stats = {"encoded": 0, "encoder_cache": 0, "prefix_cache": 0}
+        for i, f in enumerate(self.mm_features):
+            source = self.media_sources.get(i)
+            if source is None and f.end <= max(self.num_cached_tokens, 0):
+                source = "prefix_cache"
+            if source is not None:
+                stats[source] += 1
+        return stats
 
     # -- status ---------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -35,6 +35,7 @@ class EngineCoreOutput:
     prompt_logprobs: list[LogprobsEntry] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    media_stats: dict[str, int] | None = None  # set when finished
 
     @property
     def finished(self) -> bool:
@@ -253,6 +254,7 @@ class Scheduler:
             if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
                 continue  # the same picture twice in one request is encoded once
             if self.encoder_cache_manager.check_and_update_cache(request, i):
+                request.media_sources.setdefault(i, "encoder_cache")
                 continue
             if not self.encoder_cache_manager.can_allocate(request, i, encoder_budget):
                 num_new = max(feature.offset - num_computed, 0)
@@ -260,6 +262,7 @@ class Scheduler:
             self.encoder_cache_manager.allocate(request, i)
             encoder_budget -= feature.length
             to_encode.append(i)
+            request.media_sources[i] = "encoded"
         return to_encode, num_new, encoder_budget
 
     def _cancel_encoder_inputs(self, request: Request, input_ids: list[int]) -> None:
@@ -311,6 +314,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
             if request.is_finished():
+                output.media_stats = request.media_stats()
                 self.running.remove(request)
                 self._free_request(request)
             outputs.append(output)

@@ -29,10 +29,12 @@ from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "shapes-qwen3.5"
+
+
 def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        raise ValueError("no model given: pass the path of a checkpoint folder")
-    path = Path(model).expanduser()
+    """A checkpoint folder; None means the small shapes model shipped with vlmserve."""
+    path = DEFAULT_MODEL if model is None else Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model!r} is not a checkpoint folder (no config.json); models are not downloaded")
     return str(path)

@@ -85,6 +85,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[LogprobsEntry] | None = None
     error: str | None = None
+    media_stats: dict[str, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,7 @@ class _RequestState:
             prompt_logprobs=self.prompt_logprobs,
             error=self.error,
             metrics=self.metrics,
+            media_stats=self.media_stats,
         )
 
 
@@ -160,6 +162,8 @@ class OutputProcessor:
                 continue
             if parent[1] == 0:
                 state.num_cached_tokens = out.num_cached_tokens
+                if out.media_stats is not None:
+                    state.media_stats = out.media_stats
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = out.prompt_logprobs
             if out.new_token_ids:

@@ -82,8 +82,23 @@ def main(argv: list[str] | None = None) -> int:
 
     add_caption_args(caption)
 
+    ui = sub.add_parser("ui", help="Gradio chat UI (with the engine in-process, or for --api-base)")
+    add_engine_args(ui)
+    ui.add_argument("--api-base", default=None, help="an OpenAI-compatible server to talk to (else: in-process)")
+    ui.add_argument("--api-key", default=None)
+    ui.add_argument("--served-model-name", default=None)
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=7860)
+    ui.add_argument("--samples", default=None, help="folder of sample pictures with answers.json")
+    ui.add_argument("--log-level", default="INFO")
+
+    evaluate = sub.add_parser("eval", help="score a model on a held-out set of the shapes world")
+    from vlmserve.training.evaluate import add_eval_args
+
+    add_eval_args(evaluate)
+
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command == "caption" else "INFO").upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command in ("caption", "eval") else "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         from vlmserve.entrypoints.openai.api_server import run_server
@@ -93,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         from vlmserve.entrypoints.caption import run_caption
 
         return run_caption(args)
+    elif args.command == "ui":
+        from vlmserve.ui.launch import run_ui
+
+        run_ui(args)
+    elif args.command == "eval":
+        from vlmserve.training.evaluate import run_eval
+
+        return run_eval(args)
     return 0
 
 

@@ -164,9 +164,12 @@ class OpenAIServer:
     @staticmethod
     def _usage(out: RequestOutput) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in out.outputs)
-        return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": out.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": out.num_prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        if out.media_stats:  # vlmserve extension: where each picture's embeddings came from
+            usage["media"] = out.media_stats
+        return usage
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -1,0 +1,39 @@
+"""`vlmserve ui`: the chat UI against a running server (--api-base), or with the engine
+in-process, the UI and the OpenAI API side by side on one port."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+
+def run_ui(args) -> None:
+    import gradio as gr
+    import uvicorn
+    from fastapi import FastAPI
+
+    from vlmserve.ui.app import ChatApp, sample_examples
+
+    samples = sample_examples(Path(args.samples)) if args.samples else sample_examples(REPO_SAMPLES)
+    if args.api_base:
+        app = FastAPI(title="vlmserve ui")
+        chat = ChatApp(args.api_base, args.api_key, samples=samples)
+        logger.info("UI for %s on http://%s:%d", args.api_base, args.host, args.port)
+    else:
+        from vlmserve.engine.async_llm import AsyncLLM
+        from vlmserve.entrypoints.cli import engine_args_from
+        from vlmserve.entrypoints.openai.api_server import OpenAIServer, _default_name
+
+        engine = AsyncLLM(engine_args_from(args))
+        key = args.api_key or secrets.token_hex(16)  # the UI's own calls to the in-process API
+        name = args.served_model_name or _default_name(engine.engine.model_path)
+        app = OpenAIServer(engine, name, api_key=key).build_app()
+        chat = ChatApp(f"http://127.0.0.1:{args.port}/v1", key, model=name, samples=samples)
+        logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
+    app = gr.mount_gradio_app(app, chat.build(), path="/", allowed_paths=[str(p) for p in {REPO_SAMPLES} if p.exists()])
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
