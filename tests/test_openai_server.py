@@ -31,11 +31,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *extra: str) -> None:
+    """`vlmserve serve` (or `vlmserve ui`) as a real process; model None: the shipped one."""
+
+    def __init__(self, model: str | None, *extra: str, command: str = "serve") -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--model", model, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", command, "--port", str(self.port),
                "--served-model-name", "tiny", *extra]
+        if model is not None:
+            cmd += ["--model", model]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         threading.Thread(target=self._read_log, daemon=True).start()

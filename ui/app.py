@@ -77,7 +77,7 @@ def stats_line(usage: dict | None, ttft: float | None, seconds: float, tokens: i
     parts = [f"{rate:.1f} tokens/s", f"time to first token {ttft:.2f} s" if ttft is not None else None,
              f"prompt {usage.get('prompt_tokens', 0)} tokens, "
              f"{(usage.get('prompt_tokens_details') or {}).get('cached_tokens', 0)} from the prefix cache"]
-    media = usage.get("media")
+    media = {k: n for k, n in (usage.get("media") or {}).items() if n}
     if media:
         words = {"encoded": "encoder ran", "encoder_cache": "from the encoder cache", "prefix_cache": "in the prefix cache"}
         parts.append("media: " + ", ".join(f"{n} {words[k]}" for k, n in media.items() if n))
@@ -99,7 +99,8 @@ class ChatApp:
 
     async def respond(self, history: list[dict], temperature, top_p, max_tokens, seed, detail, max_pixels):
         """Streams the answer to the conversation so far into the last assistant message."""
-        settings = Settings(temperature, top_p, int(max_tokens), int(seed) if seed not in (None, "") else None,
+        seed = str(seed or "").strip()
+        settings = Settings(temperature, top_p, int(max_tokens), int(seed) if seed.lstrip("-").isdigit() else None,
                             detail, int(max_pixels) if max_pixels else None)
         history = history + [{"role": "assistant", "content": ""}]
         stream = None
@@ -152,9 +153,9 @@ class ChatApp:
                 temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature")
                 top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top-p")
                 max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max tokens")
-                seed = gr.Number(value=None, precision=0, label="seed (empty: random)")
+                seed = gr.Textbox(value="", label="seed (empty: random)", elem_id="seed")
                 detail = gr.Radio(["auto", "high", "low"], value="auto", label="image detail")
-                max_pixels = gr.Number(value=None, precision=0, label="max pixels per image (empty: the model's)")
+                max_pixels = gr.Number(value=0, precision=0, label="max pixels per image (0: the model's)")
             knobs = [temperature, top_p, max_tokens, seed, detail, max_pixels]
             if self.samples:
                 gr.Examples([[{"text": q, "files": [p]}] for p, q in self.samples], inputs=[box],

@@ -184,7 +184,9 @@ class AsyncLLM:
             except ValueError as e:
                 self._deliver(payload.request_id, e)
         elif kind == "abort":
-            engine.abort_request(payload)
+            aborted = engine.abort_request(payload)
+            for listener in self.step_listeners:
+                listener(aborted)
         elif kind == "call":
             payload(engine)
 
