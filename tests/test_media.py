@@ -200,6 +200,9 @@ def _data_url(data: bytes, mime="image/png") -> str:
 def _bad_inputs(folder):
     png = image_bytes(picture(40, 30))
     (folder / "empty.png").write_bytes(b"")
+    escape = folder / "escape.png"
+    if not escape.is_symlink():
+        escape.symlink_to("/etc/hostname")
     img = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
     return {
         "truncated PNG": (img(_data_url(png[: len(png) // 2])), "not a readable image"),
@@ -208,6 +211,7 @@ def _bad_inputs(folder):
         "zero-byte file": (img(str(folder / "empty.png")), "empty \\(0 bytes\\)"),
         "outside the folder": (img("/etc/hostname"), "outside the allowed media folder"),
         "dot-dot escape": (img(str(folder / ".." / ".." / "etc" / "hostname")), "outside the allowed media folder"),
+        "symlink out of the folder": (img(str(folder / "escape.png")), "outside the allowed media folder"),
         "http when fetching is off": (img("http://127.0.0.1:1/pic.png"), "not enabled"),
         "video without a decodable frame": (
             {"type": "video_url", "video_url": {"url": _data_url(undecodable_video_bytes(), "video/mp4")}},
@@ -218,7 +222,7 @@ def _bad_inputs(folder):
 
 @pytest.mark.parametrize("case", [
     "truncated PNG", "not an image", "20000 x 20000 PNG", "zero-byte file", "outside the folder",
-    "dot-dot escape", "http when fetching is off", "video without a decodable frame",
+    "dot-dot escape", "symlink out of the folder", "http when fetching is off", "video without a decodable frame",
 ])
 def test_bad_input_is_refused_and_the_next_request_works(llm, processor, case):
     part, message = _bad_inputs(processor.folder)[case]
