@@ -163,24 +163,17 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q: [B, q_heads, d]; keys/values: [B, L, kv_heads, d]; mask: [B, 1, 1, L]."""
-    b, q_heads, d = q.shape
-    kv_heads = keys.shape[2]
-    if q.dtype == torch.float32:
-        # torch's fused CPU kernel is the fastest in fp32 ...
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, scale=scale, enable_gqa=q_heads != kv_heads,
-        )
-        return o.squeeze(2)
-    # ... but several times slower than two batched matmuls in bf16/fp16. Query heads
-    # sharing a KV head are stacked so each KV head is read once (GQA).
-    group = q_heads // kv_heads
-    qg = q.view(b, kv_heads, group, d)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, kv, group, L]
-    scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values.transpose(1, 2)).reshape(b, q_heads, d)
+    """q: [B, q_heads, d]; keys/values: [B, L, kv_heads, d]; mask: [B, 1, 1, L].
+
+    Runs torch's fused CPU kernel in fp32: for one query token per sequence it is several
+    times faster than its bf16 variant, and the upcast rides on the copy the gather makes.
+    """
+    dtype = q.dtype
+    o = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[2],
+    )
+    return o.squeeze(2).to(dtype)
 
 
 @register("varlen_attention")

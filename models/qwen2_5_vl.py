@@ -7,17 +7,15 @@ Module names follow the HF checkpoint (`model.visual.*`, `model.language_model.*
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 import torch
 from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vlmserve.kernels import ops
+from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_cos_sin, mrope_positions, rope_inv_freq
-from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
+from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -155,10 +153,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TextModel(nn.Module):
+class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
         super().__init__()
-        self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -167,34 +164,11 @@ class TextModel(nn.Module):
         self.mrope_section = list(rope.get("mrope_section", [16, 24, 24]))
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope.get("rope_theta", 1e6)), persistent=False)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section)
-        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
-        x = embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
-
 
 # ----------------------------------------------------------------------------- model
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.text_config = config.text_config
-        self.model = nn.Module()
-        self.model.visual = VisionTransformer(config.vision_config)
-        self.model.language_model = TextModel(self.text_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
-
-    # -- what the runner asks of a model ------------------------------------------
-    @property
-    def hidden_size(self) -> int:
-        return self.text_config.hidden_size
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
+    vision_cls = VisionTransformer
+    decoder_cls = TextModel
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         cfg = self.text_config
@@ -209,52 +183,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                 specs[i] = FullAttentionSpec(**common)
         return specs
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.embed_tokens(input_ids)
-
-    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        """Runs the vision tower once over all given items; one [length, hidden] each."""
-        pixels = torch.cat([f.data["pixel_values"] for f in features])
-        grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
-        out = self.model.visual(pixels, grids)
-        return list(out.split([f.length for f in features]))
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model.language_model(embeds, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
-
     # -- positions -------------------------------------------------------------------
     @staticmethod
     def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         vision = config.vision_config
         return mrope_positions(token_ids, features, vision.spatial_merge_size, getattr(vision, "tokens_per_second", 1))
-
-    # -- weights ------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            name = _canonical_name(name)
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            if name.endswith("patch_embed.proj.weight"):
-                loader.copy(name.replace("proj.weight", "weight"), tensor.reshape(tensor.shape[0], -1))
-                continue
-            for part, (fused, index) in FUSED_PROJECTIONS.items():
-                if part in name:
-                    loader.copy_shard(name.replace(part, fused), tensor, index)
-                    break
-            else:
-                loader.copy(name, tensor)
-        loader.check_all_loaded()
-
-
-def _canonical_name(name: str) -> str:
-    """Maps the older layout (`visual.*`, `model.layers.*`) to the current one."""
-    if name.startswith("visual."):
-        return "model." + name
-    if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
-        return "model.language_model." + name[len("model.") :]
-    return name

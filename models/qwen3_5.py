@@ -9,8 +9,6 @@ q/k/v, gate/up and the four input projections of a DeltaNet layer are fused at l
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +16,7 @@ from torch import nn
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vlmserve.kernels import ops
 from vlmserve.kernels.gdn import RecurrentMetadata
+from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (
     ACTIVATIONS,
@@ -25,12 +24,10 @@ from vlmserve.models.layers import (
     GatedMLP,
     PagedAttention,
     ZeroCenteredRMSNorm,
-    mrope_cos_sin,
     mrope_positions,
     rope_inv_freq,
 )
 from vlmserve.models.qwen2_5_vl import VisionAttention, vision_rotary_positions
-from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -221,7 +218,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TextModel(nn.Module):
+class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -233,26 +230,14 @@ class TextModel(nn.Module):
         self.interleaved = bool(rope.get("mrope_interleaved", True))
         self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope.get("rope_theta", 1e7)), persistent=False)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
-        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
-        x = embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
-
 
 # ----------------------------------------------------------------------------- model
-class Qwen3_5ForConditionalGeneration(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.text_config = config.text_config
-        self.model = nn.Module()
-        self.model.visual = VisionTransformer(config.vision_config)
-        self.model.language_model = TextModel(self.text_config)
-        tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False))
-        self.lm_head = None if tied else nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+class Qwen3_5ForConditionalGeneration(VisionLanguageModel):
+    vision_cls = VisionTransformer
+    decoder_cls = TextModel
+    # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of a DeltaNet layer run as one matmul
+    extra_fused = {".in_proj_qkv.": (".in_proj.", 0), ".in_proj_z.": (".in_proj.", 1),
+                   ".in_proj_b.": (".in_proj.", 2), ".in_proj_a.": (".in_proj.", 3)}
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         cfg = self.text_config
@@ -266,50 +251,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
                                              head_size=cfg.head_dim, dtype=dtype)
         return specs
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.embed_tokens(input_ids)
-
-    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        pixels = torch.cat([f.data["pixel_values"] for f in features])
-        grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
-        return list(self.model.visual(pixels, grids).split([f.length for f in features]))
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.model.language_model(embeds, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
-
     @staticmethod
     def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
         # each frame group of a video is its own item (t = 1), its timestamp text between
         return mrope_positions(token_ids, features, config.vision_config.spatial_merge_size)
-
-    # -- weights ------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            if name.startswith("mtp."):
-                continue  # multi-token-prediction head: not used
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            if name.endswith("patch_embed.proj.weight") or name.endswith("patch_embed.proj.bias"):
-                target = name.replace("patch_embed.proj.", "patch_embed.")
-                loader.copy(target, tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor)
-                continue
-            for part, index in _DELTANET_INPUTS.items():
-                if part in name:
-                    loader.copy_shard(name.replace(part, ".in_proj."), tensor, index)
-                    break
-            else:
-                for part, (fused, index) in FUSED_PROJECTIONS.items():
-                    if part in name:
-                        loader.copy_shard(name.replace(part, fused), tensor, index)
-                        break
-                else:
-                    loader.copy(name, tensor)
-        loader.check_all_loaded()
-
-
-_DELTANET_INPUTS = {".in_proj_qkv.": 0, ".in_proj_z.": 1, ".in_proj_b.": 2, ".in_proj_a.": 3}

@@ -20,29 +20,35 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# Qwen-style: <|im_start|>role\n...<|im_end|>\n; media as <|vision_start|><|image_pad|><|vision_end|>.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- else %}"
-    "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'text' %}"
-    "{{- part['text'] }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+def qwen_chat_template(video: str = "<|vision_start|><|video_pad|><|vision_end|>") -> str:
+    """Qwen-style: <|im_start|>role\n...<|im_end|>\n; a picture is
+    <|vision_start|><|image_pad|><|vision_end|>, a video the given markup (Qwen3-style
+    processors expand a bare <|video_pad|> into timestamped frame groups themselves)."""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}"
+        "{{- message['content'] }}"
+        "{%- else %}"
+        "{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
+        "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
+        "{{- '" + video + "' }}"
+        "{%- elif part['type'] == 'text' %}"
+        "{{- part['text'] }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|im_start|>assistant\\n' }}"
+        "{%- endif %}"
+    )
+
+
+CHAT_TEMPLATE = qwen_chat_template()
 
 _DEFAULT_CORPUS = [
     "Describe the image. What is in this picture? How many shapes are there?",
@@ -88,6 +94,14 @@ def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> 
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / fan_in**0.5)
 
 
+def save_generation_config(path: Path, tokenizer, **extra) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                     pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), do_sample=False,
+                     **extra).save_pretrained(str(path))
+
+
 def save_processor_and_tokenizer(path: Path, tokenizer, image_kwargs: dict[str, Any]) -> None:
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -122,7 +136,7 @@ def build_qwen2_5_vl(
     corpus: list[str] | None = None,
 ) -> Path:
     """A tiny Qwen2.5-VL; layers >= max_window_layers use sliding-window attention."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -174,9 +188,7 @@ def build_qwen2_5_vl(
     model = Qwen2_5_VLForConditionalGeneration(config)
     randomize_weights(model, seed)
     model.save_pretrained(str(path))
-    GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], do_sample=False
-    ).save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
     save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels})
     return path
 
@@ -204,7 +216,6 @@ def build_qwen3_5(
 ) -> Path:
     """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers, Qwen3-VL vision tower."""
     from transformers import (
-        GenerationConfig,
         Qwen2VLImageProcessor,
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
@@ -261,7 +272,7 @@ def build_qwen3_5(
             if name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
     model.save_pretrained(str(path))
-    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
     image_kwargs = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 16, "merge_size": 2}
     Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**image_kwargs),

@@ -10,43 +10,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from vlmserve.testing.checkpoints import SPECIAL_TOKENS, qwen_chat_template, save_generation_config
 from vlmserve.training import shapes
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-# Qwen-style. An image is <|vision_start|><|image_pad|><|vision_end|>; a video is a bare
-# <|video_pad|>, which the processor expands into "<t seconds><|vision_start|>...<|vision_end|>"
-# per pair of frames.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}"
-    "{{- message['content'] }}"
-    "{%- else %}"
-    "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
-    "{{- '<|video_pad|>' }}"
-    "{%- elif part['type'] == 'text' %}"
-    "{{- part['text'] }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+# Qwen-style chat; a video is a bare <|video_pad|>, which the processor expands into
+# "<t seconds><|vision_start|>...<|vision_end|>" per pair of frames
+CHAT_TEMPLATE = qwen_chat_template(video="<|video_pad|>")
 
 IMAGE_SIDE = 192
 PATCH = 16
@@ -158,10 +127,6 @@ def build_config(tokenizer):
 
 def save_skeleton(path: Path, tokenizer, processor) -> None:
     """Everything but the weights: tokenizer, processor, chat template, generation config."""
-    from transformers import GenerationConfig
-
     path.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(str(path))
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False, max_new_tokens=64).save_pretrained(str(path))
+    save_generation_config(path, tokenizer, max_new_tokens=64)

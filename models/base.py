@@ -1,0 +1,102 @@
+"""What every model family shares: the runner-facing interface of a vision-language model
+(embed, encode media, forward, logits, load weights) and the M-RoPE decoder stack."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vlmserve.models.context import ForwardContext
+from vlmserve.models.layers import mrope_cos_sin
+from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
+from vlmserve.multimodal.inputs import MultiModalFeature
+
+
+class MRoPEDecoder(nn.Module):
+    """Embeddings, decoder layers, final norm; cos/sin of the M-RoPE positions are made
+    once per step and shared by every layer. Subclasses set layers, norm, inv_freq,
+    mrope_section and interleaved."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    mrope_section: list[int]
+    interleaved: bool = False
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
+        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class VisionLanguageModel(nn.Module):
+    """A vision tower and a decoder under the HF checkpoint's module names
+    (`model.visual`, `model.language_model`, `lm_head`). Families add kv_cache_specs()
+    and mrope_positions(), and name their towers."""
+
+    vision_cls: type[nn.Module]
+    decoder_cls: type[nn.Module]
+    # checkpoint name fragment -> (fused module fragment, shard index), beyond q/k/v and gate/up
+    extra_fused: dict[str, tuple[str, int]] = {}
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.text_config = config.text_config
+        self.model = nn.Module()
+        self.model.visual = self.vision_cls(config.vision_config)
+        self.model.language_model = self.decoder_cls(self.text_config)
+        tied = getattr(config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
+        """Runs the vision tower once over all given items; one [length, hidden] each."""
+        pixels = torch.cat([f.data["pixel_values"] for f in features])
+        grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
+        return list(self.model.visual(pixels, grids).split([f.length for f in features]))
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.language_model(embeds, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.T
+
+    @staticmethod
+    def canonical_name(name: str) -> str:
+        """Maps older checkpoint layouts (`visual.*`, `model.layers.*`) to the current one."""
+        if name.startswith("visual."):
+            return "model." + name
+        if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
+            return "model.language_model." + name[len("model.") :]
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loader = WeightLoader(self)
+        fused = {**self.extra_fused, **FUSED_PROJECTIONS}
+        for name, tensor in weights:
+            if name.startswith("mtp."):
+                continue  # multi-token-prediction head: not used
+            name = self.canonical_name(name)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if ".patch_embed.proj." in name:
+                # the Conv3d patch embedding is loaded as the equivalent Linear
+                loader.copy(name.replace("patch_embed.proj.", "patch_embed."), tensor.reshape(tensor.shape[0], -1)
+                            if tensor.dim() > 1 else tensor)
+                continue
+            for part, (target, index) in fused.items():
+                if part in name:
+                    loader.copy_shard(name.replace(part, target), tensor, index)
+                    break
+            else:
+                loader.copy(name, tensor)
+        loader.check_all_loaded()

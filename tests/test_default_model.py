@@ -1,0 +1,76 @@
+"""The model vlmserve ships: complete, small, loadable by transformers, and right about
+the sample pictures — through vlmserve, and the same as transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmserve import LLM, SamplingParams
+from vlmserve.engine.llm_engine import DEFAULT_MODEL
+from vlmserve.training.shapes import normalize_answer
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLES = REPO / "samples"
+ITEMS = json.loads((SAMPLES / "answers.json").read_text())
+
+
+def test_the_checkpoint_is_complete_and_small():
+    names = {p.name for p in DEFAULT_MODEL.iterdir()}
+    for required in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "processor_config.json", "chat_template.jinja", "generation_config.json"):
+        assert required in names, required
+    size = sum(p.stat().st_size for p in DEFAULT_MODEL.iterdir())
+    assert size <= 30 * 1024 * 1024, f"{size / 2**20:.1f} MiB"
+
+
+def test_transformers_loads_it():
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(DEFAULT_MODEL)
+    model = AutoModelForImageTextToText.from_pretrained(DEFAULT_MODEL)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert processor.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(allowed_local_media_path=str(SAMPLES))  # no model given: the shipped one
+
+
+def chat(item: dict) -> list[dict]:
+    kind = "video_url" if item["file"].endswith(".mp4") else "image_url"
+    return [{"role": "user", "content": [{"type": kind, kind: {"url": str(SAMPLES / item["file"])}},
+                                         {"type": "text", "text": item["question"]}]}]
+
+
+def test_it_answers_the_sample_pictures_and_video(llm):
+    outs = llm.chat([chat(item) for item in ITEMS], SamplingParams(temperature=0, max_tokens=48))
+    wrong = [(item["file"], item["question"], out.outputs[0].text, item["answer"]) for item, out in zip(ITEMS, outs)
+             if normalize_answer(out.outputs[0].text) != normalize_answer(item["answer"])]
+    assert not wrong
+
+
+@pytest.mark.slow
+def test_greedy_answers_equal_transformers():
+    from vlmserve.training.evaluate import held_out_set, run_transformers, run_vlmserve
+
+    items = [i for i in held_out_set(50, 0) if i.modality == "image"]
+    ours, _ = run_vlmserve(None, items, "float32")
+    theirs = run_transformers(str(DEFAULT_MODEL), items)
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_the_readme_run_command(tmp_path):
+    """`vlmserve caption samples/ --out captions.jsonl` captions the sample pictures right."""
+    out = tmp_path / "captions.jsonl"
+    subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", str(SAMPLES), "--out", str(out),
+                    "--no-progress"], check=True, capture_output=True, timeout=300)
+    rows = {Path(r["path"]).name: r for r in map(json.loads, out.read_text().splitlines())}
+    captions = {i["file"]: i["answer"] for i in ITEMS if i["kind"] == "caption"}
+    assert captions and all(normalize_answer(rows[f]["caption"]) == normalize_answer(a) for f, a in captions.items())
