@@ -22,13 +22,22 @@ CHUNK = 64
 
 
 @dataclass
+class PrefillGroup:
+    """Prefills of equal length and equal has-a-prior-state, computed as one batch."""
+
+    token_index: torch.Tensor  # [B, length]: where each sequence's tokens sit in the step
+    slots: torch.Tensor  # [B] state slots
+    has_state: bool  # resumes a state (a later chunk, or a prefix-cache snapshot)
+
+
+@dataclass
 class RecurrentMetadata:
     """Which state slot each request of the step uses; requests are laid out decodes
-    first (one token each, batched), then prefills (one by one)."""
+    first (one token each, batched), then prefills (batched by length)."""
 
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes]
-    prefills: list[tuple[int, int, int, bool]]  # (token start, length, slot, has a prior state)
+    prefill_groups: list[PrefillGroup]
 
 
 def build_recurrent_metadata(
@@ -37,28 +46,39 @@ def build_recurrent_metadata(
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
-    prefills, start = [], num_decodes
+    groups: dict[tuple[int, bool], tuple[list[int], list[int]]] = {}
+    start = num_decodes
     for slot, c, q in zip(slots[num_decodes:], num_computed[num_decodes:], query_lens[num_decodes:]):
-        # a request that has computed tokens (or resumed from a snapshot) has a state
-        prefills.append((start, q, slot, c > 0))
+        starts, group_slots = groups.setdefault((q, c > 0), ([], []))
+        starts.append(start)
+        group_slots.append(slot)
         start += q
-    return RecurrentMetadata(num_decodes, torch.tensor(slots[:num_decodes], dtype=torch.long, device=device), prefills)
+    prefill_groups = [
+        PrefillGroup(
+            token_index=(torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).to(device),
+            slots=torch.tensor(group_slots, dtype=torch.long, device=device),
+            has_state=has_state,
+        )
+        for (length, has_state), (starts, group_slots) in groups.items()
+    ]
+    return RecurrentMetadata(num_decodes, torch.tensor(slots[:num_decodes], dtype=torch.long, device=device),
+                             prefill_groups)
 
 
 @register("causal_conv1d_prefill")
 def causal_conv1d_prefill(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, C]; weight: [C, K]; state: [C, K-1] (the K-1 inputs before x) or None for
-    zeros. Returns silu(conv(x)) as [T, C] and the new state."""
-    t, c = x.shape
+    """x: [B, T, C]; weight: [C, K]; state: [B, C, K-1] (the K-1 inputs before x) or None
+    for zeros. Returns silu(conv(x)) as [B, T, C] and the new state."""
+    b, t, c = x.shape
     k = weight.shape[1]
-    xt = x.t().to(weight.dtype)
+    xt = x.transpose(1, 2).to(weight.dtype)
     if state is None:
-        state = xt.new_zeros(c, k - 1)
-    padded = torch.cat([state.to(weight.dtype), xt], dim=1)  # [C, K-1+T]
-    out = F.conv1d(padded.unsqueeze(0), weight.unsqueeze(1), groups=c).squeeze(0)  # [C, T]
-    return F.silu(out).t().to(x.dtype), padded[:, -(k - 1):].contiguous()
+        state = xt.new_zeros(b, c, k - 1)
+    padded = torch.cat([state.to(weight.dtype), xt], dim=2)  # [B, C, K-1+T]
+    out = F.conv1d(padded, weight.unsqueeze(1), groups=c)  # [B, C, T]
+    return F.silu(out).transpose(1, 2).to(x.dtype), padded[:, :, -(k - 1):].contiguous()
 
 
 @register("causal_conv1d_decode")
@@ -69,10 +89,9 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Ten
     return F.silu(out).to(x.dtype), window[:, :, 1:]
 
 
-def _prepare(q, k, num_v_heads):
-    """Repeats key heads to the value heads, L2-normalises q and k, scales q."""
-    if q.shape[-2] != num_v_heads:
-        rep = num_v_heads // q.shape[-2]
+def _prepare(q, k, rep):
+    """Repeats each key head for the value heads it serves, L2-normalises q and k, scales q."""
+    if rep > 1:
         q = q.repeat_interleave(rep, dim=-2)
         k = k.repeat_interleave(rep, dim=-2)
     q = q.float()
@@ -91,10 +110,23 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence. q, k: [T, Hk, dk]; v: [T, H, dv]; g, beta: [T, H]; state: [H, dk, dv]
-    or None (zeros). Returns o [T, H, dv] (in v's dtype) and the final state (fp32)."""
+    """B sequences of T tokens. q, k: [B, T, Hk, dk]; v: [B, T, H, dv]; g, beta: [B, T, H];
+    state: [B, H, dk, dv] or None (zeros). Returns o [B, T, H, dv] (in v's dtype) and the
+    final states (fp32).
+
+    The sequences are independent, so they are folded into the head axis."""
+    b, t, h, dv = v.shape
+    hk = q.shape[2]
+    fold = lambda x: x.transpose(0, 1).reshape(t, b * x.shape[2], *x.shape[3:])  # noqa: E731
+    o, s = _chunk_one(fold(q), fold(k), fold(v), fold(g.unsqueeze(-1)).squeeze(-1), fold(beta.unsqueeze(-1)).squeeze(-1),
+                      None if state is None else state.reshape(b * h, *state.shape[2:]), h // hk)
+    return o.reshape(t, b, h, dv).transpose(0, 1), s.reshape(b, h, *s.shape[1:])
+
+
+def _chunk_one(q, k, v, g, beta, state, rep):
+    """q, k: [T, Hk', dk]; v: [T, H', dv]; each key head serves `rep` consecutive value heads."""
     t, h, dv = v.shape
-    q, k = _prepare(q, k, h)
+    q, k = _prepare(q, k, rep)
     dk = q.shape[-1]
     pad = -t % CHUNK
     n = (t + pad) // CHUNK
@@ -141,7 +173,7 @@ def recurrent_gated_delta_rule(
     """One token for each of B sequences. q, k: [B, Hk, dk]; v: [B, H, dv]; g, beta: [B, H];
     state: [B, H, dk, dv]. Returns o [B, H, dv] and the new state (fp32)."""
     h = v.shape[1]
-    q, k = _prepare(q, k, h)
+    q, k = _prepare(q, k, h // q.shape[1])
     s = state.float() * g.float().exp()[..., None, None]
     remembered = torch.einsum("bhk,bhkv->bhv", k, s)
     delta = (v.float() - remembered) * beta.float().unsqueeze(-1)

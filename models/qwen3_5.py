@@ -170,10 +170,10 @@ class GatedDeltaNet(nn.Module):
             conv_out[:nd], conv_state[meta.decode_slots] = ops.causal_conv1d_decode(
                 mixed[:nd], weight, conv_state[meta.decode_slots]
             )
-        for start, length, slot, has_state in meta.prefills:
-            init = conv_state[slot] if has_state else None
-            conv_out[start : start + length], conv_state[slot] = ops.causal_conv1d_prefill(
-                mixed[start : start + length], weight, init
+        for group in meta.prefill_groups:
+            init = conv_state[group.slots] if group.has_state else None
+            conv_out[group.token_index], conv_state[group.slots] = ops.causal_conv1d_prefill(
+                mixed[group.token_index], weight, init
             )
 
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -188,10 +188,10 @@ class GatedDeltaNet(nn.Module):
             core[:nd], ssm_state[meta.decode_slots] = ops.recurrent_gated_delta_rule(
                 q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state[meta.decode_slots]
             )
-        for start, length, slot, has_state in meta.prefills:
-            s = slice(start, start + length)
-            init = ssm_state[slot] if has_state else None
-            core[s], ssm_state[slot] = ops.chunk_gated_delta_rule(q[s], k[s], v[s], g[s], beta[s], init)
+        for group in meta.prefill_groups:
+            idx = group.token_index
+            init = ssm_state[group.slots] if group.has_state else None
+            core[idx], ssm_state[group.slots] = ops.chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init)
 
         out = ops.gated_rms_norm(core.reshape(-1, self.head_v), z.reshape(-1, self.head_v), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, self.value_dim))

@@ -176,10 +176,18 @@ class ModelRunner:
         order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
         rows = [batch.index_of[rid] for rid in order]
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
-        num_computed = [batch.states[r].num_computed_tokens for r in rows]
-        ids, pos = [], []
-        for row, c, q in zip(rows, num_computed, query_lens):
-            state = batch.states[row]
+        states = [batch.states[r] for r in rows]
+        num_computed = [s.num_computed_tokens for s in states]
+        # generated-token decodes, the bulk of most steps, in one vectorized gather
+        n_fast = 0
+        while n_fast < len(rows) and query_lens[n_fast] == 1 and num_computed[n_fast] >= states[n_fast].num_prompt_tokens:
+            n_fast += 1
+        fast_rows = np.asarray(rows[:n_fast], dtype=np.int64)
+        fast_pos = np.asarray(num_computed[:n_fast], dtype=np.int64)
+        ids = [batch.token_ids[fast_rows, fast_pos]]
+        deltas = np.asarray([s.mrope_delta for s in states[:n_fast]], dtype=np.int64)
+        pos = [torch.from_numpy(fast_pos + deltas).expand(3, -1)]
+        for state, row, c, q in zip(states[n_fast:], rows[n_fast:], num_computed[n_fast:], query_lens[n_fast:]):
             ids.append(batch.token_ids[row, c : c + q])
             pos.append(self._positions(state, c, c + q))
         return StepInputs(
