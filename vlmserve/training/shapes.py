@@ -95,6 +95,30 @@ def all_questions(scene: Scene, rng: random.Random) -> list[QA]:
     return qas
 
 
+def question_set(scene: Scene, rng: random.Random, k: int) -> list[QA]:
+    """Up to k short questions about one picture that give nothing away to each other:
+    the count, at most one question per object (its colour, place, or that it is there),
+    and a "no" to a colour-shape pair that is absent. Shuffled."""
+    qas = [QA("count", "How many shapes are there?", NUMBERS[len(scene.shapes)])]
+    kinds = [s.kind for s in scene.shapes]
+    for s in rng.sample(scene.shapes, len(scene.shapes)):
+        options = ["where", "exists"] + (["color"] if kinds.count(s.kind) == 1 else [])
+        choice = rng.choice(options)
+        if choice == "where":
+            qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}"))
+        elif choice == "exists":
+            qas.append(QA("exists", f"Is there a {s.color} {s.kind}?", "yes"))
+        else:
+            qas.append(QA("color", f"What color is the {s.kind}?", s.color))
+    present = {(s.color, s.kind) for s in scene.shapes}
+    absent = [(c, kd) for c in COLORS for kd in SHAPES if (c, kd) not in present]
+    near = [(c, kd) for c, kd in absent if c in {p[0] for p in present} or kd in kinds]
+    color, kind = rng.choice(near if near and rng.random() < 0.7 else absent)
+    qas.append(QA("exists", f"Is there a {color} {kind}?", "no"))
+    rng.shuffle(qas)
+    return qas[:k]
+
+
 def normalize_answer(text: str) -> str:
     """Scoring rule of the spec: lower case, trimmed, one trailing period dropped."""
     text = text.strip().lower()

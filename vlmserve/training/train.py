@@ -12,10 +12,15 @@ Recipe, in two phases:
    head names what is in the cell (empty, or one of 3 shapes x 6 colours x 2 sizes). A
    language model trained from scratch on top of a random tower takes thousands of
    steps to start looking at the picture at all; this phase makes that unnecessary.
-2. Vision-language. One question per sequence, exactly the format of evaluation.
-   Batches are homogeneous (captions / short answers / videos), which keeps padding
-   low, drawn 40% / 45% / 15%: captions need every object right and are the hardest.
-   Loss on answer tokens only; the tower keeps learning at a third of the rate.
+   Each token also learns which cell it lies in, so place is in the features.
+2. Vision-language, the tower frozen (no backward through it: more steps fit). Batches
+   are homogeneous — captions, short answers, videos, drawn 35% / 55% / 10% — which
+   keeps padding low. A caption or video sequence asks one question, exactly as in
+   evaluation. A short-answer sequence asks up to 4 about its picture, one after the
+   other, chosen so that no answer gives another away (the count, one question per
+   object, an absent colour-shape pair): the first question is in the evaluation
+   format, the rest are extra supervision of the same look-up for a few more tokens.
+   Loss on answer tokens only.
 AdamW, warm-up then cosine decay, bf16 autocast, in both phases.
 """
 
@@ -37,17 +42,17 @@ from vlmserve.training import recipe, shapes
 
 logger = logging.getLogger("vlmserve.train")
 
-BATCH_KINDS = {"caption": 0.40, "short": 0.45, "video": 0.15}
+BATCH_KINDS = {"caption": 0.35, "short": 0.55, "video": 0.10}
+SHORT_QUESTIONS_PER_PICTURE = 4
 
 
 # -- data ---------------------------------------------------------------------------------
-def sample_image_qa(rng: random.Random, kind: str) -> tuple[object, shapes.QA]:
+def sample_image_qas(rng: random.Random, kind: str, per_picture: int) -> tuple[object, list[shapes.QA]]:
     scene = shapes.random_scene(rng)
     image = shapes.through_file(shapes.render(scene, rng), rng)
-    qas = shapes.all_questions(scene, rng)
     if kind == "caption":
-        return image, qas[0]
-    return image, rng.choice(qas[1:])
+        return image, [shapes.all_questions(scene, rng)[0]]
+    return image, shapes.question_set(scene, rng, per_picture)
 
 
 def video_inputs(frames):
@@ -62,7 +67,10 @@ def video_inputs(frames):
     return video, meta
 
 
-def make_batch(processor, rng: random.Random, kind: str, size: int) -> tuple[dict, list[str]]:
+def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture: int = 1) -> tuple[dict, list[str]]:
+    """A batch of one kind. With per_picture > 1, a short-answer sequence asks several
+    questions about its picture, one after another (the first right after the picture,
+    exactly as in evaluation; the others are extra supervision for the same look-up)."""
     texts, images, videos, metas, kinds = [], [], [], [], []
     for _ in range(size):
         if kind == "video":
@@ -73,16 +81,17 @@ def make_batch(processor, rng: random.Random, kind: str, size: int) -> tuple[dic
             v, meta = video_inputs(frames)
             videos.append(v)
             metas.append(meta)
-            qa, part = video.question, {"type": "video"}
+            qas, part = [video.question], {"type": "video"}
         else:
-            image, qa = sample_image_qa(rng, kind)
+            image, qas = sample_image_qas(rng, kind, per_picture)
             images.append(image)
             part = {"type": "image"}
-        prompt = processor.apply_chat_template(
-            [{"role": "user", "content": [part, {"type": "text", "text": qa.question}]}], add_generation_prompt=True
-        )
-        texts.append(prompt + qa.answer + "<|im_end|>")
-        kinds.append(qa.kind)
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": qas[0].question}]},
+                    {"role": "assistant", "content": qas[0].answer}]
+        for qa in qas[1:]:
+            messages += [{"role": "user", "content": qa.question}, {"role": "assistant", "content": qa.answer}]
+        texts.append(processor.apply_chat_template(messages, add_generation_prompt=False))
+        kinds.append(qas[0].kind)
     kwargs = {}
     if videos:
         kwargs = dict(videos=videos, videos_kwargs={"video_metadata": metas, "do_sample_frames": False,
@@ -93,15 +102,17 @@ def make_batch(processor, rng: random.Random, kind: str, size: int) -> tuple[dic
 
 
 def answer_labels(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Labels = the tokens after the last assistant header; everything else -100."""
+    """Labels = every assistant answer, up to and including its <|im_end|>; the rest -100."""
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    im_start = header[0]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     labels = torch.full_like(input_ids, -100)
     for row in range(input_ids.shape[0]):
-        ids = input_ids[row].tolist()
-        start = max(i for i, t in enumerate(ids) if t == im_start) + len(header)
-        end = int(attention_mask[row].sum())  # right padding
-        labels[row, start:end] = input_ids[row, start:end]
+        ids = input_ids[row, : int(attention_mask[row].sum())].tolist()
+        for i in range(len(ids) - len(header) + 1):
+            if ids[i : i + len(header)] == header:
+                start = i + len(header)
+                end = ids.index(im_end, start) + 1
+                labels[row, start:end] = input_ids[row, start:end]
     return labels
 
 
@@ -116,7 +127,7 @@ class BatchStream(torch.utils.data.IterableDataset):
         while True:
             rng = random.Random(f"{self.seed}-{step}")
             kind = rng.choices(list(BATCH_KINDS), weights=list(BATCH_KINDS.values()))[0]
-            inputs, kinds = make_batch(self.processor, rng, kind, self.batch_size)
+            inputs, kinds = make_batch(self.processor, rng, kind, self.batch_size, SHORT_QUESTIONS_PER_PICTURE)
             yield step, kind, inputs, kinds
             step += 1
 
@@ -151,13 +162,25 @@ class CellBatches(torch.utils.data.IterableDataset):
             step += 1
 
 
-def cell_logits(model, head: torch.nn.Linear, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Merged tokens of each 192-px picture form a 6x6 grid: 2x2 of them per cell."""
+def vision_logits(model, head: torch.nn.Linear, pixels: torch.Tensor, grid: torch.Tensor):
+    """Merged tokens of each 192-px picture form a 6x6 grid, 2x2 of them per cell. The
+    head reads two things: from the 4 tokens of a cell pooled, what is in the cell; from
+    each single token, which cell it lies in (so that place is in the features too, for
+    "where" and for ordering captions). Returns ([B, 9, classes], [B, 36, 9])."""
     side = recipe.IMAGE_SIDE // recipe.PATCH // recipe.MERGE
     per = side // 3
-    tokens = model.model.visual(pixels, grid_thw=grid).pooler_output
-    cells = tokens.float().view(-1, 3, per, 3, per, tokens.shape[-1]).mean(dim=(2, 4))
-    return head(cells.reshape(-1, 9, tokens.shape[-1]))
+    tokens = model.model.visual(pixels, grid_thw=grid).pooler_output.float()
+    dim = tokens.shape[-1]
+    cells = tokens.view(-1, 3, per, 3, per, dim).mean(dim=(2, 4)).reshape(-1, 9, dim)
+    logits = head(torch.cat([cells, tokens.view(-1, side * side, dim)], dim=1))
+    return logits[:, :9, : len(CELL_CLASSES) + 1], logits[:, 9:, len(CELL_CLASSES) + 1 :]
+
+
+def token_cells() -> torch.Tensor:
+    """The cell (0..8) of each of the 36 merged tokens, row by row."""
+    side = recipe.IMAGE_SIDE // recipe.PATCH // recipe.MERGE
+    rows = torch.arange(side) // (side // 3)
+    return (rows[:, None] * 3 + rows[None, :]).reshape(-1)
 
 
 # -- evaluation during training ------------------------------------------------------------
@@ -207,10 +230,9 @@ def main() -> None:
     ap.add_argument("--vision-steps", type=int, default=600)
     ap.add_argument("--vision-batch-size", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=2e-3)
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--tower-lr-scale", type=float, default=0.3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save-minutes", type=float, default=5.0)
@@ -230,7 +252,8 @@ def main() -> None:
     config = recipe.build_config(tokenizer)
     torch.manual_seed(args.seed)
     model = Qwen3_5ForConditionalGeneration(config)
-    head = torch.nn.Linear(config.vision_config.out_hidden_size, len(CELL_CLASSES) + 1)
+    # what is in each cell (empty or a class), and which cell each token lies in
+    head = torch.nn.Linear(config.vision_config.out_hidden_size, len(CELL_CLASSES) + 1 + 9)
     state_path = args.out / "train_state.pt"
     state = {"phase": "vision", "step": 0, "log": []}
     if state_path.exists():
@@ -262,12 +285,10 @@ def main() -> None:
         state.update(phase="vlm", step=0)
         state.pop("optimizer", None)
 
-    tower = set(id(p) for p in model.model.visual.parameters())
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if id(p) not in tower], "scale": 1.0},
-         {"params": list(model.model.visual.parameters()), "scale": args.tower_lr_scale}],
-        lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01,
-    )
+    # the tower stays as phase 1 left it: no backward through it, more steps in the budget
+    model.model.visual.requires_grad_(False)
+    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "scale": 1.0}],
+                                  lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     step = train_vlm(args, model, processor, optimizer, state, stop, checkpoint)
@@ -291,14 +312,16 @@ def train_vision(args, model, head, processor, optimizer, state, stop, checkpoin
     last_save, t0, start = time.time(), time.time(), state["step"]
     step = start
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    cells = token_cells()
     for step, pixels, grid, labels in loader:
         if step >= args.vision_steps or stop["now"]:
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.vision_steps, args.vision_lr, 50)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = cell_logits(model, head, pixels, grid)
+            logits, places = vision_logits(model, head, pixels, grid)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss = loss + 0.2 * F.cross_entropy(places.float().reshape(-1, 9), cells.repeat(len(labels)))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -319,7 +342,7 @@ def train_vision(args, model, head, processor, optimizer, state, stop, checkpoin
 def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int:
     # a fixed validation set from a seed training never uses
     val_rng = random.Random(f"validation-{args.seed}")
-    val = [make_batch(processor, val_rng, kind, 64) for kind in ("caption", "short", "short", "video")]
+    val = [make_batch(processor, val_rng, kind, 64) for kind in ("caption", "short", "short", "short", "video")]
     loader = torch.utils.data.DataLoader(BatchStream(processor, args.seed, state["step"], args.batch_size),
                                          batch_size=None, num_workers=1, prefetch_factor=4)
     model.train()
