@@ -6,9 +6,13 @@ argument, falling back to the portable torch implementation. The models only eve
 a model.
 """
 
-from vlmserve.kernels.registry import ops, register
+# From the repository root this folder is also visible as a top-level `kernels`, the name
+# transformers probes for the HF kernel-hub package on import; imported under that name it
+# stays empty, so transformers finds no version there and `import transformers` works.
+if __name__ == "vlmserve.kernels":
+    from vlmserve.kernels.registry import ops, register
 
-# importing the modules registers their implementations
-from vlmserve.kernels import attention, gdn, norms, rotary  # noqa: E402,F401
+    # importing the modules registers their implementations
+    from vlmserve.kernels import attention, gdn, norms, rotary  # noqa: F401
 
-__all__ = ["ops", "register"]
+    __all__ = ["ops", "register"]

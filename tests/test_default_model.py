@@ -74,3 +74,17 @@ def test_the_readme_run_command(tmp_path):
     rows = {Path(r["path"]).name: r for r in map(json.loads, out.read_text().splitlines())}
     captions = {i["file"]: i["answer"] for i in ITEMS if i["kind"] == "caption"}
     assert captions and all(normalize_answer(rows[f]["caption"]) == normalize_answer(a) for f, a in captions.items())
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    """The checkpoint is stored in bf16; 'auto' runs it in bf16 only where bf16 matmuls are fast."""
+    import torch
+    from transformers import AutoConfig
+
+    from vlmserve.worker import model_loader
+
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)
+    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: False)
+    assert model_loader.resolve_dtype("auto", config) == torch.float32
+    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: True)
+    assert model_loader.resolve_dtype("auto", config) == torch.bfloat16

@@ -9,7 +9,7 @@ from typing import Any
 @dataclass
 class EngineArgs:
     model: str | None = None
-    dtype: str = "auto"  # the checkpoint's (half precision runs as bfloat16); or float32, bfloat16
+    dtype: str = "auto"  # the checkpoint's (half precision as bf16 where the CPU has fast bf16, else fp32)
     device: str = "cpu"
     seed: int = 0
     # scheduling

@@ -21,12 +21,14 @@ Recipe, in two phases:
    object, an absent colour-shape pair): the first question is in the evaluation
    format, the rest are extra supervision of the same look-up for a few more tokens.
    Loss on answer tokens only.
-AdamW, warm-up then cosine decay, bf16 autocast, in both phases.
+AdamW, warm-up then cosine decay, in both phases; fp32 by default (`--bf16` for CPUs with
+native bf16 matmul: on AVX2-only CPUs torch's bf16 gemm is ~50x slower than fp32).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -176,6 +178,25 @@ def vision_logits(model, head: torch.nn.Linear, pixels: torch.Tensor, grid: torc
     return logits[:, :9, : len(CELL_CLASSES) + 1], logits[:, 9:, len(CELL_CLASSES) + 1 :]
 
 
+def mixed_precision(bf16: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def patch_embed_as_linear(model) -> None:
+    """The tower's patch embedding is a Conv3d whose kernel equals its stride: one matmul
+    per patch. On CPU, autocast runs its bf16 backward through a naive slow_conv3d gemm
+    (tens of seconds per step); the same product as a linear layer takes milliseconds.
+    Only this instance's forward changes; the weights and the exported checkpoint don't."""
+    embed = model.model.visual.patch_embed
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = embed.proj.weight
+        flat = hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype)
+        return torch.nn.functional.linear(flat, weight.reshape(weight.shape[0], -1), embed.proj.bias)
+
+    embed.forward = forward
+
+
 def token_cells() -> torch.Tensor:
     """The cell (0..8) of each of the 36 merged tokens, row by row."""
     side = recipe.IMAGE_SIDE // recipe.PATCH // recipe.MERGE
@@ -185,14 +206,14 @@ def token_cells() -> torch.Tensor:
 
 # -- evaluation during training ------------------------------------------------------------
 @torch.no_grad()
-def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]]) -> dict[str, float]:
+def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]], bf16: bool = False) -> dict[str, float]:
     """Share of answers whose every token is the argmax given the correct prefix — which is
     exactly when greedy decoding reproduces the answer."""
     model.eval()
     hits: dict[str, list[bool]] = {}
     for inputs, kinds in batches:
         labels = inputs["labels"]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with mixed_precision(bf16):
             logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
         pred = logits[:, :-1].argmax(-1)
         target = labels[:, 1:]
@@ -227,16 +248,17 @@ def export(model, tokenizer, processor, out: Path, dtype: torch.dtype) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--vision-steps", type=int, default=600)
+    ap.add_argument("--vision-steps", type=int, default=700)
     ap.add_argument("--vision-batch-size", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=2e-3)
-    ap.add_argument("--steps", type=int, default=3600)
+    ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save-minutes", type=float, default=5.0)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fast only with native bf16 matmul)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = ap.parse_args()
@@ -252,6 +274,7 @@ def main() -> None:
     config = recipe.build_config(tokenizer)
     torch.manual_seed(args.seed)
     model = Qwen3_5ForConditionalGeneration(config)
+    patch_embed_as_linear(model)
     # what is in each cell (empty or a class), and which cell each token lies in
     head = torch.nn.Linear(config.vision_config.out_hidden_size, len(CELL_CLASSES) + 1 + 9)
     state_path = args.out / "train_state.pt"
@@ -318,7 +341,7 @@ def train_vision(args, model, head, processor, optimizer, state, stop, checkpoin
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.vision_steps, args.vision_lr, 50)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with mixed_precision(args.bf16):
             logits, places = vision_logits(model, head, pixels, grid)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss = loss + 0.2 * F.cross_entropy(places.float().reshape(-1, 9), cells.repeat(len(labels)))
@@ -354,7 +377,7 @@ def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int
         lr = lr_at(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr * group["scale"]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with mixed_precision(args.bf16):
             loss = model(**inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -364,7 +387,7 @@ def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int
         entry = {"phase": "vlm", "step": step + 1, "kind": kind, "loss": round(loss.item(), 4),
                  "time": round(time.time() - t0, 1)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            entry["exact_match"] = exact_match_by_kind(model, val)
+            entry["exact_match"] = exact_match_by_kind(model, val, args.bf16)
             logger.info("step %d exact match %s", step + 1, entry["exact_match"])
         state["log"].append(entry)
         if (step + 1) % 20 == 0:
