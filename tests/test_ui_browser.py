@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from test_openai_server import Server
+from vlmserve.testing.checkpoints import build_qwen2_5_vl
 from vlmserve.training.shapes import normalize_answer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,6 +85,16 @@ class Page:
         bots = self.page.locator("#chat .message.bot, #chat [data-testid='bot']")
         return bots.last.inner_text().strip() if bots.count() else ""
 
+    def set_slider(self, label: str, value: str) -> None:
+        """Type into a slider's number box until the slider itself holds the value (typing
+        while the Settings accordion is still opening can be lost)."""
+        deadline = time.time() + 10
+        while self.page.get_by_label(f"range slider for {label}").input_value() != value:
+            assert time.time() < deadline, f"the {label} slider does not take {value}"
+            self.page.get_by_label(f"number input for {label}").fill(value)
+            self.page.keyboard.press("Tab")
+            time.sleep(0.2)
+
     def stats(self) -> str:
         return self.page.inner_text("#stats").strip()
 
@@ -124,8 +135,7 @@ def test_a_broken_file_shows_an_error_and_the_next_question_works(browser, ui, t
 def test_same_text_through_the_ui_and_the_api_for_the_same_seed(browser, ui):
     page = Page(browser, ui.base)
     page.page.click("text=Settings")
-    page.page.get_by_label("number input for temperature").fill("0.9")
-    page.page.keyboard.press("Tab")
+    page.set_slider("temperature", "0.9")
     page.page.fill("#seed textarea", "42")
     question = "Where is the blue circle?"
     ui_text = page.ask(question, [str(SAMPLES / "shapes4.png")])
@@ -140,16 +150,19 @@ def test_same_text_through_the_ui_and_the_api_for_the_same_seed(browser, ui):
     assert ui_text == api.choices[0].message.content.strip()
 
 
-def test_stop_really_aborts_a_long_answer(browser, qwen25_path):
-    # a random-weight model rambles on to max tokens: a long answer to stop
-    s = Server(qwen25_path, "--num-kv-blocks", "512", command="ui")
+def test_stop_really_aborts_a_long_answer(browser, tmp_path):
+    # a random-weight model rambles on to max tokens: a long answer to stop, from a model
+    # wide enough that 1024 tokens take seconds, not the fraction of one the tiny ones do
+    path = build_qwen2_5_vl(tmp_path / "wide", hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048)
+    s = Server(str(path), "--num-kv-blocks", "512", command="ui")
     try:
         page = Page(browser, s.base)
         page.page.click("text=Settings")
-        page.page.get_by_label("number input for max tokens").fill("1024")
-        page.page.keyboard.press("Tab")
+        page.set_slider("max tokens", "1024")
         page.ask("What is in this picture?", wait=False)  # greedy: 1024 tokens without an end
-        page.page.wait_for_timeout(1500)
+        deadline = time.time() + 30
+        while time.time() < deadline and len(page.last_answer()) < 20:  # streaming has begun
+            time.sleep(0.05)
         page.page.click("#stop")
         page.page.wait_for_timeout(1000)
         page.shot("5-stopped")

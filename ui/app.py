@@ -185,6 +185,16 @@ class ChatApp:
         return demo
 
 
+# Browsers fire no change event when the file picked is the one picked last time, so the
+# same picture could not be sent again (after Clear, say): empty the input after each pick.
+HEAD = """<script>
+document.addEventListener("change", (e) => {
+  const input = e.target;
+  if (input instanceof HTMLInputElement && input.type === "file") setTimeout(() => { input.value = ""; }, 0);
+}, true);
+</script>"""
+
+
 def _error_message(e: openai.APIStatusError) -> str:
     try:
         body = e.response.json()

@@ -17,7 +17,7 @@ def run_ui(args) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from vlmserve.ui.app import ChatApp, sample_examples
+    from vlmserve.ui.app import HEAD, ChatApp, sample_examples
 
     samples = sample_examples(Path(args.samples)) if args.samples else sample_examples(REPO_SAMPLES)
     if args.api_base:
@@ -35,5 +35,5 @@ def run_ui(args) -> None:
         app = OpenAIServer(engine, name, api_key=key).build_app()
         chat = ChatApp(f"http://127.0.0.1:{args.port}/v1", key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
-    app = gr.mount_gradio_app(app, chat.build(), path="/", allowed_paths=[str(p) for p in {REPO_SAMPLES} if p.exists()])
+    app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, allowed_paths=[str(p) for p in {REPO_SAMPLES} if p.exists()])
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
