@@ -1,12 +1,12 @@
 """Trains the default model on the shapes world with transformers' Qwen3.5.
 
-    python -m vlmserve.training.train --out runs/shapes   # --vision-steps 700 --steps 1800, seed 1
+    python -m vlmserve.training.train --out runs/shapes   # vision 700, VLM 1800, look-up 600 steps; seed 1
 
 Resumable: the state (weights, optimizer, step) is saved every few minutes and on
 Ctrl-C; rerunning the same command continues from it. Batches are a pure function of
 (seed, step), so a resumed run sees exactly the data an uninterrupted one would.
 
-Recipe, in two phases:
+Recipe, in three phases:
 1. Vision. The vision tower (and its merger) learns to see first, with dense labels the
    generator gives for free: the merged tokens of each grid cell are pooled and a linear
    head names what is in the cell (empty, or one of 3 shapes x 6 colours x 2 sizes). A
@@ -21,7 +21,11 @@ Recipe, in two phases:
    object, an absent colour-shape pair): the first question is in the evaluation
    format, the rest are extra supervision of the same look-up for a few more tokens.
    Loss on answer tokens only.
-AdamW, warm-up then cosine decay, in both phases; fp32 by default (`--bf16` for CPUs with
+3. Look-up. Captions and counts come first and easily; the questions that name one
+   object (its colour, its place, whether it is there) need the answer position to find
+   that object among the picture's tokens, and lag. A second, shorter cosine cycle at a
+   lower peak with mostly short-answer batches.
+AdamW, warm-up then cosine decay, in every phase; fp32 by default (`--bf16` for CPUs with
 native bf16 matmul: on AVX2-only CPUs torch's bf16 gemm is ~50x slower than fp32).
 """
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -45,6 +50,7 @@ from vlmserve.training import recipe, shapes
 logger = logging.getLogger("vlmserve.train")
 
 BATCH_KINDS = {"caption": 0.35, "short": 0.55, "video": 0.10}
+LOOKUP_BATCH_KINDS = {"caption": 0.10, "short": 0.80, "video": 0.10}
 SHORT_QUESTIONS_PER_PICTURE = 4
 
 
@@ -119,16 +125,16 @@ def answer_labels(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 class BatchStream(torch.utils.data.IterableDataset):
-    """Batches for steps start, start+1, ...; each a pure function of (seed, step)."""
+    """Batches for steps start, start+1, ...; each a pure function of (seed, phase, step)."""
 
-    def __init__(self, processor, seed: int, start: int, batch_size: int) -> None:
-        self.processor, self.seed, self.start, self.batch_size = processor, seed, start, batch_size
+    def __init__(self, processor, seed: str, start: int, batch_size: int, mix: dict[str, float]) -> None:
+        self.processor, self.seed, self.start, self.batch_size, self.mix = processor, seed, start, batch_size, mix
 
     def __iter__(self):
         step = self.start
         while True:
             rng = random.Random(f"{self.seed}-{step}")
-            kind = rng.choices(list(BATCH_KINDS), weights=list(BATCH_KINDS.values()))[0]
+            kind = rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
             inputs, kinds = make_batch(self.processor, rng, kind, self.batch_size, SHORT_QUESTIONS_PER_PICTURE)
             yield step, kind, inputs, kinds
             step += 1
@@ -255,9 +261,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--lookup-steps", type=int, default=600)
+    ap.add_argument("--lookup-lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save-minutes", type=float, default=5.0)
     ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--val-size", type=int, default=64, help="sequences per validation batch (5 batches)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (fast only with native bf16 matmul)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -314,16 +323,23 @@ def main() -> None:
                                   lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
-    step = train_vlm(args, model, processor, optimizer, state, stop, checkpoint)
-    checkpoint(optimizer, "vlm", step)
+    phases = [TextPhase("vlm", args.steps, args.lr, args.warmup, BATCH_KINDS),
+              TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS)]
+    names = [p.name for p in phases]
+    for i in range(names.index(state["phase"]), len(phases)):
+        step = train_text(args, phases[i], model, processor, optimizer, state, stop, checkpoint)
+        checkpoint(optimizer, phases[i].name, step)
+        if step < phases[i].steps:
+            logger.info("stopped at %s step %d; rerun the same command to resume", phases[i].name, step)
+            break
+        if i + 1 < len(phases):
+            state.update(phase=names[i + 1], step=0)
     with open(args.out / "train_log.jsonl", "w") as f:
         for entry in state["log"]:
             f.write(json.dumps(entry) + "\n")
-    if step >= args.steps:
+    if not stop["now"]:
         export(model, tokenizer, processor, args.out / "model", getattr(torch, args.export_dtype))
         logger.info("done: exported to %s", args.out / "model")
-    else:
-        logger.info("stopped at step %d; rerun the same command to resume", step)
 
 
 def train_vision(args, model, head, processor, optimizer, state, stop, checkpoint) -> int:
@@ -362,19 +378,31 @@ def train_vision(args, model, head, processor, optimizer, state, stop, checkpoin
     return step
 
 
-def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int:
+@dataclasses.dataclass(frozen=True)
+class TextPhase:
+    """A phase that trains the language model (and merger) on question-answer batches."""
+
+    name: str
+    steps: int
+    lr: float
+    warmup: int
+    mix: dict[str, float]  # batch kind -> share of batches
+
+
+def train_text(args, phase: TextPhase, model, processor, optimizer, state, stop, checkpoint) -> int:
     # a fixed validation set from a seed training never uses
     val_rng = random.Random(f"validation-{args.seed}")
-    val = [make_batch(processor, val_rng, kind, 64) for kind in ("caption", "short", "short", "short", "video")]
-    loader = torch.utils.data.DataLoader(BatchStream(processor, args.seed, state["step"], args.batch_size),
+    val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
+    seed = str(args.seed) if phase.name == "vlm" else f"{args.seed}-{phase.name}"
+    loader = torch.utils.data.DataLoader(BatchStream(processor, seed, state["step"], args.batch_size, phase.mix),
                                          batch_size=None, num_workers=1, prefetch_factor=4)
     model.train()
     last_save, t0, start, ema = time.time(), time.time(), state["step"], {}
     step = start
     for step, kind, inputs, _ in loader:
-        if step >= args.steps or stop["now"]:
+        if step >= phase.steps or stop["now"]:
             break
-        lr = lr_at(step, args.steps, args.lr, args.warmup)
+        lr = lr_at(step, phase.steps, phase.lr, phase.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr * group["scale"]
         with mixed_precision(args.bf16):
@@ -384,17 +412,17 @@ def train_vlm(args, model, processor, optimizer, state, stop, checkpoint) -> int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ema[kind] = loss.item() if kind not in ema else 0.95 * ema[kind] + 0.05 * loss.item()
-        entry = {"phase": "vlm", "step": step + 1, "kind": kind, "loss": round(loss.item(), 4),
+        entry = {"phase": phase.name, "step": step + 1, "kind": kind, "loss": round(loss.item(), 4),
                  "time": round(time.time() - t0, 1)}
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.eval_every == 0 or step + 1 == phase.steps:
             entry["exact_match"] = exact_match_by_kind(model, val, args.bf16)
-            logger.info("step %d exact match %s", step + 1, entry["exact_match"])
+            logger.info("%s step %d exact match %s", phase.name, step + 1, entry["exact_match"])
         state["log"].append(entry)
         if (step + 1) % 20 == 0:
-            logger.info("step %d lr %.2e loss %s (%.2fs/step)", step + 1, lr,
+            logger.info("%s step %d lr %.2e loss %s (%.2fs/step)", phase.name, step + 1, lr,
                         {k: round(v, 3) for k, v in ema.items()}, (time.time() - t0) / (step + 1 - start))
         if time.time() - last_save > args.save_minutes * 60:
-            checkpoint(optimizer, "vlm", step + 1)
+            checkpoint(optimizer, phase.name, step + 1)
             last_save = time.time()
         step += 1
     return step
