@@ -4,7 +4,7 @@
 
 Resumable: the state (weights, optimizer, step) is saved every few minutes and on
 Ctrl-C; rerunning the same command continues from it. Batches are a pure function of
-(seed, step), so a resumed run sees exactly the data an uninterrupted one would.
+(seed, phase, step), so a resumed run sees exactly the data an uninterrupted one would.
 
 Recipe, in three phases:
 1. Vision. The vision tower (and its merger) learns to see first, with dense labels the
