@@ -213,8 +213,9 @@ def token_cells() -> torch.Tensor:
 # -- evaluation during training ------------------------------------------------------------
 @torch.no_grad()
 def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]], bf16: bool = False) -> dict[str, float]:
-    """Share of answers whose every token is the argmax given the correct prefix — which is
-    exactly when greedy decoding reproduces the answer."""
+    """Per kind (of a sequence's first question), the share of sequences whose every answer
+    token is the argmax given the correct prefix — exactly when greedy decoding reproduces
+    all of its answers."""
     model.eval()
     hits: dict[str, list[bool]] = {}
     for inputs, kinds in batches:
@@ -325,9 +326,12 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
     phases = [TextPhase("vlm", args.steps, args.lr, args.warmup, BATCH_KINDS),
               TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS)]
+    # a fixed validation set from a seed training never uses
+    val_rng = random.Random(f"validation-{args.seed}")
+    val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
     names = [p.name for p in phases]
     for i in range(names.index(state["phase"]), len(phases)):
-        step = train_text(args, phases[i], model, processor, optimizer, state, stop, checkpoint)
+        step = train_text(args, phases[i], model, processor, optimizer, val, state, stop, checkpoint)
         checkpoint(optimizer, phases[i].name, step)
         if step < phases[i].steps:
             logger.info("stopped at %s step %d; rerun the same command to resume", phases[i].name, step)
@@ -389,10 +393,9 @@ class TextPhase:
     mix: dict[str, float]  # batch kind -> share of batches
 
 
-def train_text(args, phase: TextPhase, model, processor, optimizer, state, stop, checkpoint) -> int:
-    # a fixed validation set from a seed training never uses
-    val_rng = random.Random(f"validation-{args.seed}")
-    val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
+def train_text(args, phase: TextPhase, model, processor, optimizer, val, state, stop, checkpoint) -> int:
+    # the first text phase keeps the plain seed, so its batches are those of the runs before
+    # phases had names (the shipped model's); later phases draw their own
     seed = str(args.seed) if phase.name == "vlm" else f"{args.seed}-{phase.name}"
     loader = torch.utils.data.DataLoader(BatchStream(processor, seed, state["step"], args.batch_size, phase.mix),
                                          batch_size=None, num_workers=1, prefetch_factor=4)
