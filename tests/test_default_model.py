@@ -54,18 +54,8 @@ def wrong_answers(llm, items: list[dict]) -> list[tuple[str, str, str, str]]:
             if normalize_answer(out.outputs[0].text) != normalize_answer(item["answer"])]
 
 
-# Questions that name one object ask the model to find it by its colour or shape; the
-# shipped model does not do that reliably yet (issue 6 is open), everything else it must.
-LOOK_UP = ("color", "exists", "where")
-
-
-def test_it_describes_counts_and_follows_the_samples(llm):
-    assert not wrong_answers(llm, [i for i in ITEMS if i["kind"] not in LOOK_UP])
-
-
-@pytest.mark.xfail(strict=False, reason="issue 6 open: the shipped model answers colour 70%, where 62%, is-there 93% right")
-def test_it_answers_questions_that_name_one_object(llm):
-    assert not wrong_answers(llm, [i for i in ITEMS if i["kind"] in LOOK_UP])
+def test_it_answers_every_sample_question(llm):
+    assert not wrong_answers(llm, ITEMS)
 
 
 @pytest.mark.slow

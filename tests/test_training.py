@@ -20,7 +20,7 @@ def test_training_stops_resumes_and_exports(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "vlmserve.training.train", "--out", str(out), "--vision-steps", "60",
            "--vision-batch-size", "2", "--steps", "4", "--batch-size", "2", "--lookup-steps", "2",
-           "--warmup", "2", "--val-size", "2", "--threads", "1"]
+           "--caption-steps", "2", "--warmup", "2", "--val-size", "2", "--threads", "1"]
     first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     log = []
     deadline = time.time() + 300
@@ -37,10 +37,10 @@ def test_training_stops_resumes_and_exports(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
     assert "resumed: vision phase, step 2" in second.stderr  # not from scratch
-    for phase in ("vlm", "lookup"):
+    for phase in ("vlm", "lookup", "caption"):
         assert f"{phase} step" in second.stderr and "exact match" in second.stderr
     lines = (out / "train_log.jsonl").read_text().splitlines()
-    assert len(lines) == 60 + 4 + 2  # every step once, across the interruption
+    assert len(lines) == 60 + 4 + 2 + 2  # every step once, across the interruption
 
     from transformers import AutoModelForImageTextToText
 
@@ -48,3 +48,40 @@ def test_training_stops_resumes_and_exports(tmp_path):
     reply = LLM(model=str(out / "model")).generate(["How many shapes are there?"],
                                                     SamplingParams(temperature=0, max_tokens=4))[0]
     assert reply.outputs[0].token_ids
+
+
+def test_lookup_targets_point_at_the_object_each_answer_names():
+    """The look-up loss pulls attention from a query position to a grid cell; check each
+    target against the answer's own words (a caption names each object's place)."""
+    import random
+
+    import torch
+
+    from vlmserve.training import recipe, shapes, train
+
+    tokenizer = recipe.build_tokenizer()
+    processor = recipe.build_processor(tokenizer)
+    for kind in ("caption", "short"):
+        inputs, _ = train.make_batch(processor, random.Random(kind), kind, 8, 4)
+        ids, labels = inputs["input_ids"], inputs["labels"]
+        assert len(inputs["lookup"])
+        for row, query, cell in inputs["lookup"].tolist():
+            assert labels[row, query + 1] != -100  # the query predicts an answer token
+            rest = tokenizer.decode(ids[row, query + 1 :])
+            phrase = rest.split(" and ")[0].split(",")[0].split("<|im_end|>")[0]
+            if kind == "caption":
+                assert phrase.split()[0] in shapes.SIZES
+            if " in the " in phrase or phrase.startswith("in the "):
+                assert phrase.rstrip(".").endswith(shapes.POSITIONS[cell]), (phrase, cell)
+
+    # attention all on the right cell costs nothing; spread evenly, it costs
+    image_token_id = recipe.build_config(tokenizer).image_token_id
+    cells = torch.full_like(ids, -1)
+    cells[ids == image_token_id] = train.token_cells().repeat(len(ids))
+    targets = inputs["lookup"]
+    right = torch.zeros(len(ids), 4, ids.shape[1], ids.shape[1])
+    for row, query, cell in targets.tolist():
+        right[row, 0, query] = (cells[row] == cell).float() / 4
+    assert train.lookup_loss([right], ids, targets, image_token_id).item() < 1e-5
+    even = torch.full_like(right, 1 / ids.shape[1])
+    assert train.lookup_loss([even], ids, targets, image_token_id).item() > 1.0

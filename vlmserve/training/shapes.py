@@ -67,23 +67,24 @@ class QA:
     kind: str  # caption | count | color | exists | where | direction
     question: str
     answer: str
+    cells: tuple[int, ...] = ()  # grid cells of the objects the answer is about, in the order it names them
 
 
 def all_questions(scene: Scene, rng: random.Random) -> list[QA]:
     """One question of every kind that applies to the scene (exists: yes or no, 50/50)."""
     qas = [
-        QA("caption", "Describe the image.", caption(scene)),
+        QA("caption", "Describe the image.", caption(scene), tuple(sorted(s.cell for s in scene.shapes))),
         QA("count", "How many shapes are there?", NUMBERS[len(scene.shapes)]),
     ]
     kinds = [s.kind for s in scene.shapes]
     unique = [s for s in scene.shapes if kinds.count(s.kind) == 1]
     if unique:
         s = rng.choice(unique)
-        qas.append(QA("color", f"What color is the {s.kind}?", s.color))
+        qas.append(QA("color", f"What color is the {s.kind}?", s.color, (s.cell,)))
     present = {(s.color, s.kind) for s in scene.shapes}
     if rng.random() < 0.5:
-        color, kind = rng.choice(sorted(present))
-        qas.append(QA("exists", f"Is there a {color} {kind}?", "yes"))
+        s = rng.choice(sorted(scene.shapes, key=lambda s: (s.color, s.kind)))
+        qas.append(QA("exists", f"Is there a {s.color} {s.kind}?", "yes", (s.cell,)))
     else:
         # hard negatives: often a present colour or a present shape, in a new pairing
         absent = [(c, k) for c in COLORS for k in SHAPES if (c, k) not in present]
@@ -91,7 +92,7 @@ def all_questions(scene: Scene, rng: random.Random) -> list[QA]:
         color, kind = rng.choice(near if near and rng.random() < 0.7 else absent)
         qas.append(QA("exists", f"Is there a {color} {kind}?", "no"))
     s = rng.choice(scene.shapes)
-    qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}"))
+    qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}", (s.cell,)))
     return qas
 
 
@@ -105,11 +106,11 @@ def question_set(scene: Scene, rng: random.Random, k: int) -> list[QA]:
         options = ["where", "exists"] + (["color"] if kinds.count(s.kind) == 1 else [])
         choice = rng.choice(options)
         if choice == "where":
-            qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}"))
+            qas.append(QA("where", f"Where is the {s.color} {s.kind}?", f"in the {POSITIONS[s.cell]}", (s.cell,)))
         elif choice == "exists":
-            qas.append(QA("exists", f"Is there a {s.color} {s.kind}?", "yes"))
+            qas.append(QA("exists", f"Is there a {s.color} {s.kind}?", "yes", (s.cell,)))
         else:
-            qas.append(QA("color", f"What color is the {s.kind}?", s.color))
+            qas.append(QA("color", f"What color is the {s.kind}?", s.color, (s.cell,)))
     present = {(s.color, s.kind) for s in scene.shapes}
     absent = [(c, kd) for c in COLORS for kd in SHAPES if (c, kd) not in present]
     near = [(c, kd) for c, kd in absent if c in {p[0] for p in present} or kd in kinds]

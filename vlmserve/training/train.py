@@ -1,12 +1,12 @@
 """Trains the default model on the shapes world with transformers' Qwen3.5.
 
-    python -m vlmserve.training.train --out runs/shapes   # vision 700, VLM 1800, look-up 600 steps; seed 1
+    python -m vlmserve.training.train --out runs/shapes   # vision 700, VLM 1500, look-up 400, captions 200 steps; seed 1
 
 Resumable: the state (weights, optimizer, step) is saved every few minutes and on
 Ctrl-C; rerunning the same command continues from it. Batches are a pure function of
 (seed, phase, step), so a resumed run sees exactly the data an uninterrupted one would.
 
-Recipe, in three phases:
+Recipe, in four phases:
 1. Vision. The vision tower (and its merger) learns to see first, with dense labels the
    generator gives for free: the merged tokens of each grid cell are pooled and a linear
    head names what is in the cell (empty, or one of 3 shapes x 6 colours x 2 sizes). A
@@ -20,11 +20,16 @@ Recipe, in three phases:
    other, chosen so that no answer gives another away (the count, one question per
    object, an absent colour-shape pair): the first question is in the evaluation
    format, the rest are extra supervision of the same look-up for a few more tokens.
-   Loss on answer tokens only.
-3. Look-up. Captions and counts come first and easily; the questions that name one
-   object (its colour, its place, whether it is there) need the answer position to find
-   that object among the picture's tokens, and lag. A second, shorter cosine cycle at a
-   lower peak with mostly short-answer batches.
+   Loss on answer tokens, plus a look-up loss (`LookupProbe`): trained on answers
+   alone, this model never learned to find the object a question names (with two
+   objects it answered about either one, at chance, after 2400 steps), so head 0 of
+   the first two full-attention layers is told where to look — at the object's cell,
+   from the position that predicts the answer (or, in a caption, each object's size
+   word).
+3. Look-up. A second, shorter cosine cycle at a lower peak with mostly short-answer
+   batches, for the questions that name one object.
+4. Captions. A last short cycle with mostly captions: after phase 3, whole captions
+   had slipped (one object's place or shape wrong).
 AdamW, warm-up then cosine decay, in every phase; fp32 by default (`--bf16` for CPUs with
 native bf16 matmul: on AVX2-only CPUs torch's bf16 gemm is ~50x slower than fp32).
 """
@@ -51,7 +56,9 @@ logger = logging.getLogger("vlmserve.train")
 
 BATCH_KINDS = {"caption": 0.35, "short": 0.55, "video": 0.10}
 LOOKUP_BATCH_KINDS = {"caption": 0.10, "short": 0.80, "video": 0.10}
+CAPTION_BATCH_KINDS = {"caption": 0.60, "short": 0.30, "video": 0.10}
 SHORT_QUESTIONS_PER_PICTURE = 4
+LOOKUP_LAYERS = (1, 3)  # the first two full-attention layers; head 0 of each learns to find the object asked about
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -79,7 +86,7 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
     """A batch of one kind. With per_picture > 1, a short-answer sequence asks several
     questions about its picture, one after another (the first right after the picture,
     exactly as in evaluation; the others are extra supervision for the same look-up)."""
-    texts, images, videos, metas, kinds = [], [], [], [], []
+    texts, images, videos, metas, kinds, questions = [], [], [], [], [], []
     for _ in range(size):
         if kind == "video":
             video = shapes.random_video(rng)
@@ -100,28 +107,49 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
             messages += [{"role": "user", "content": qa.question}, {"role": "assistant", "content": qa.answer}]
         texts.append(processor.apply_chat_template(messages, add_generation_prompt=False))
         kinds.append(qas[0].kind)
+        questions.append(qas)
     kwargs = {}
     if videos:
         kwargs = dict(videos=videos, videos_kwargs={"video_metadata": metas, "do_sample_frames": False,
                                                     "cap_pixels_per_frame": False})
     inputs = processor(text=texts, images=images or None, return_tensors="pt", padding=True, **kwargs)
-    inputs["labels"] = answer_labels(processor.tokenizer, inputs["input_ids"], inputs["attention_mask"])
+    inputs["labels"], inputs["lookup"] = answer_labels(processor.tokenizer, inputs["input_ids"], questions)
     return dict(inputs), kinds
 
 
-def answer_labels(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Labels = every assistant answer, up to and including its <|im_end|>; the rest -100."""
+def answer_spans(ids: list[int], header: list[int], im_end: int) -> list[tuple[int, int]]:
+    """[start, end) of every assistant answer, up to and including its <|im_end|>."""
+    spans = []
+    for i in range(len(ids) - len(header) + 1):
+        if ids[i : i + len(header)] == header:
+            start = i + len(header)
+            spans.append((start, ids.index(im_end, start) + 1))
+    return spans
+
+
+def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shapes.QA]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels = every assistant answer with its <|im_end|>; the rest -100. And the look-up
+    targets, (row, query position, cell): for an answer about one object, the position
+    that predicts the answer's first token; for a caption, each position that predicts an
+    object's size word ("a| small red circle ..."), with that object's cell."""
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    size_words = set(tokenizer.convert_tokens_to_ids([f"\u0120{z}" for z in shapes.SIZES]))
     labels = torch.full_like(input_ids, -100)
-    for row in range(input_ids.shape[0]):
-        ids = input_ids[row, : int(attention_mask[row].sum())].tolist()
-        for i in range(len(ids) - len(header) + 1):
-            if ids[i : i + len(header)] == header:
-                start = i + len(header)
-                end = ids.index(im_end, start) + 1
-                labels[row, start:end] = input_ids[row, start:end]
-    return labels
+    targets = []
+    for row, qas in enumerate(questions):
+        ids = input_ids[row].tolist()
+        spans = answer_spans(ids, header, im_end)
+        assert len(spans) == len(qas)
+        for (start, end), qa in zip(spans, qas):
+            labels[row, start:end] = input_ids[row, start:end]
+            if qa.kind == "caption":
+                sizes = [i for i in range(start, end) if ids[i] in size_words]
+                assert len(sizes) == len(qa.cells)
+                targets += [(row, i - 1, cell) for i, cell in zip(sizes, qa.cells)]
+            elif qa.cells:
+                targets.append((row, start - 1, qa.cells[0]))
+    return labels, torch.tensor(targets, dtype=torch.long).reshape(-1, 3)
 
 
 class BatchStream(torch.utils.data.IterableDataset):
@@ -210,6 +238,36 @@ def token_cells() -> torch.Tensor:
     return (rows[:, None] * 3 + rows[None, :]).reshape(-1)
 
 
+# -- teaching the look-up ------------------------------------------------------------------
+class LookupProbe:
+    """Captures the attention probabilities of the chosen full-attention layers (eager
+    attention returns them) for the look-up loss: head 0 is told where to look."""
+
+    def __init__(self, model, layers: tuple[int, ...], image_token_id: int) -> None:
+        self.maps: dict[int, torch.Tensor] = {}
+        self.image_token_id = image_token_id
+        for i in layers:
+            attn = model.model.language_model.layers[i].self_attn
+            attn.register_forward_hook(lambda _m, _a, out, i=i: self.maps.__setitem__(i, out[1]))
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lookup_loss(list(self.maps.values()), input_ids, targets, self.image_token_id)
+
+
+def lookup_loss(maps: list[torch.Tensor], input_ids: torch.Tensor, targets: torch.Tensor,
+                image_token_id: int) -> torch.Tensor:
+    """Mean over targets (row, query, cell) and maps [B, heads, L, L] of -log(head 0's
+    attention mass from the query on the image tokens of the cell)."""
+    rows, queries, cells = targets.unbind(1)
+    # the cell of every image token (raster order within its row), -1 elsewhere
+    is_image = input_ids == image_token_id
+    order = (is_image.long().cumsum(1) - 1).clamp(0, len(token_cells()) - 1)
+    cell_of = torch.where(is_image, token_cells()[order], -1)
+    mask = (cell_of[rows] == cells[:, None]).float()  # [targets, positions]
+    losses = [-(m[rows, 0, queries] * mask).sum(-1).clamp(min=1e-6).log().mean() for m in maps]
+    return torch.stack(losses).mean()
+
+
 # -- evaluation during training ------------------------------------------------------------
 @torch.no_grad()
 def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]], bf16: bool = False) -> dict[str, float]:
@@ -221,7 +279,7 @@ def exact_match_by_kind(model, batches: list[tuple[dict, list[str]]], bf16: bool
     for inputs, kinds in batches:
         labels = inputs["labels"]
         with mixed_precision(bf16):
-            logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+            logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "lookup")}).logits
         pred = logits[:, :-1].argmax(-1)
         target = labels[:, 1:]
         ok = ((pred == target) | (target == -100)).all(dim=1)
@@ -258,12 +316,16 @@ def main() -> None:
     ap.add_argument("--vision-steps", type=int, default=700)
     ap.add_argument("--vision-batch-size", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=2e-3)
-    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--lookup-steps", type=int, default=600)
+    ap.add_argument("--lookup-steps", type=int, default=400)
     ap.add_argument("--lookup-lr", type=float, default=5e-4)
+    ap.add_argument("--caption-steps", type=int, default=200)
+    ap.add_argument("--caption-lr", type=float, default=3e-4)
+    ap.add_argument("--lookup-weight", type=float, default=1.0,
+                    help="weight of the look-up attention loss (0: answers only)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save-minutes", type=float, default=5.0)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -325,13 +387,19 @@ def main() -> None:
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     phases = [TextPhase("vlm", args.steps, args.lr, args.warmup, BATCH_KINDS),
-              TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS)]
+              TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS),
+              TextPhase("caption", args.caption_steps, args.caption_lr, 20, CAPTION_BATCH_KINDS)]
     # a fixed validation set from a seed training never uses
     val_rng = random.Random(f"validation-{args.seed}")
     val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
+    probe = None
+    if args.lookup_weight > 0:
+        # the probe reads attention probabilities; the (frozen) tower keeps sdpa
+        model.set_attn_implementation({"text_config": "eager"})
+        probe = LookupProbe(model, LOOKUP_LAYERS, config.image_token_id)
     names = [p.name for p in phases]
     for i in range(names.index(state["phase"]), len(phases)):
-        step = train_text(args, phases[i], model, processor, optimizer, val, state, stop, checkpoint)
+        step = train_text(args, phases[i], model, processor, optimizer, val, state, stop, checkpoint, probe)
         checkpoint(optimizer, phases[i].name, step)
         if step < phases[i].steps:
             logger.info("stopped at %s step %d; rerun the same command to resume", phases[i].name, step)
@@ -393,7 +461,8 @@ class TextPhase:
     mix: dict[str, float]  # batch kind -> share of batches
 
 
-def train_text(args, phase: TextPhase, model, processor, optimizer, val, state, stop, checkpoint) -> int:
+def train_text(args, phase: TextPhase, model, processor, optimizer, val, state, stop, checkpoint,
+               probe: LookupProbe | None) -> int:
     # the first text phase keeps the plain seed, so its batches are those of the runs before
     # phases had names (the shipped model's); later phases draw their own
     seed = str(args.seed) if phase.name == "vlm" else f"{args.seed}-{phase.name}"
@@ -408,15 +477,23 @@ def train_text(args, phase: TextPhase, model, processor, optimizer, val, state, 
         lr = lr_at(step, phase.steps, phase.lr, phase.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr * group["scale"]
+        targets = inputs.pop("lookup")
         with mixed_precision(args.bf16):
             loss = model(**inputs).loss
+        losses = {kind: loss}
+        if probe is not None and len(targets):  # video batches have none
+            losses["lookup"] = probe.loss(inputs["input_ids"], targets)
+            loss = loss + args.lookup_weight * losses["lookup"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ema[kind] = loss.item() if kind not in ema else 0.95 * ema[kind] + 0.05 * loss.item()
-        entry = {"phase": phase.name, "step": step + 1, "kind": kind, "loss": round(loss.item(), 4),
+        for name, value in losses.items():
+            ema[name] = value.item() if name not in ema else 0.95 * ema[name] + 0.05 * value.item()
+        entry = {"phase": phase.name, "step": step + 1, "kind": kind, "loss": round(losses[kind].item(), 4),
                  "time": round(time.time() - t0, 1)}
+        if "lookup" in losses:
+            entry["lookup_loss"] = round(losses["lookup"].item(), 4)
         if (step + 1) % args.eval_every == 0 or step + 1 == phase.steps:
             entry["exact_match"] = exact_match_by_kind(model, val, args.bf16)
             logger.info("%s step %d exact match %s", phase.name, step + 1, entry["exact_match"])
