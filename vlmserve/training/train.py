@@ -260,9 +260,10 @@ def lookup_loss(maps: list[torch.Tensor], input_ids: torch.Tensor, targets: torc
     attention mass from the query on the image tokens of the cell)."""
     rows, queries, cells = targets.unbind(1)
     # the cell of every image token (raster order within its row), -1 elsewhere
+    per_image = token_cells()
     is_image = input_ids == image_token_id
-    order = (is_image.long().cumsum(1) - 1).clamp(0, len(token_cells()) - 1)
-    cell_of = torch.where(is_image, token_cells()[order], -1)
+    order = (is_image.long().cumsum(1) - 1).clamp(0, len(per_image) - 1)
+    cell_of = torch.where(is_image, per_image[order], -1)
     mask = (cell_of[rows] == cells[:, None]).float()  # [targets, positions]
     losses = [-(m[rows, 0, queries] * mask).sum(-1).clamp(min=1e-6).log().mean() for m in maps]
     return torch.stack(losses).mean()
