@@ -222,21 +222,26 @@ def test_concurrent_streams_hangups_and_health_under_load(server):
 def test_queue_full_and_graceful_shutdown(qwen25_path):
     s = Server(qwen25_path, "--max-pending-requests", "2", "--max-num-seqs", "2")
 
+    max_tokens = 2000  # long enough that neither finishes before the third request arrives
+
     def long_request(results):
-        r = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 300, "ignore_eos": True},
-                       timeout=60)
+        r = httpx.post(s.base + "/v1/completions",
+                       json={"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True}, timeout=120)
         results.append((r.status_code, r.json()["usage"]["completion_tokens"]))
 
     results: list[int] = []
     threads = [threading.Thread(target=long_request, args=(results,)) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.time() + 30
+    while time.time() < deadline and s.metric("num_requests_running") < 2:  # both admitted, not a fixed sleep
+        time.sleep(0.02)
+    assert s.metric("num_requests_running") == 2
     busy = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert busy.status_code == 429 and "try again" in busy.json()["error"]["message"]
     # SIGTERM while two requests are in flight: they finish, then the process exits
-    code = s.stop(signal.SIGTERM, timeout=60)
+    code = s.stop(signal.SIGTERM, timeout=120)
     for t in threads:
         t.join()
-    assert results == [(200, 300), (200, 300)]  # finished in full
+    assert results == [(200, max_tokens), (200, max_tokens)]  # finished in full
     assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
