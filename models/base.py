@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import mrope_cos_sin
+from vlmserve.models.layers import Linear, mrope_cos_sin
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -52,7 +52,7 @@ class VisionLanguageModel(nn.Module):
         self.model.visual = self.vision_cls(config.vision_config)
         self.model.language_model = self.decoder_cls(self.text_config)
         tied = getattr(config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
+        self.lm_head = None if tied else Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.language_model.embed_tokens(input_ids)

@@ -39,7 +39,20 @@ class ZeroCenteredRMSNorm(nn.Module):
         return ops.rms_norm_zero_centered(x, self.weight, self.eps)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through `ops.linear`, so that a device can run it on a prepacked copy of
+    the weight (`pack()`, called once after the weights are loaded)."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed_weight = ops.pack_linear_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, self.packed_weight)
+
+
+class FusedLinear(Linear):
     """Several projections of the checkpoint computed as one matmul (fewer, larger ops
     run faster on CPU); `shard_sizes` tells the weight loader where each one goes."""
 
@@ -55,7 +68,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +167,7 @@ class PagedAttention(nn.Module):
         # with a query gate (Qwen3.5), the query projection also yields the output gate
         q_out = 2 * self.q_size if query_gate else self.q_size
         self.qkv_proj = FusedLinear(hidden, [q_out, self.kv_size, self.kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
 
     def attend(
         self,

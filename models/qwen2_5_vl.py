@@ -15,7 +15,7 @@ from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingW
 from vlmserve.kernels import ops
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import GatedMLP, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -56,8 +56,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         n = x.shape[0]
@@ -86,7 +86,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = context_dim * merge * merge
         self.ln_q = RMSNorm(context_dim, 1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.GELU(), nn.Linear(self.hidden, out_dim))
+        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
 
     def forward(self, x):
         return self.mlp(self.ln_q(x).view(-1, self.hidden))
@@ -100,7 +100,7 @@ class VisionTransformer(nn.Module):
         self.full_blocks = set(cfg.fullatt_block_indexes)
         patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         # a Conv3d whose kernel equals its stride is a matmul over flattened patches
-        self.patch_embed = nn.Linear(patch_dim, cfg.hidden_size, bias=False)
+        self.patch_embed = Linear(patch_dim, cfg.hidden_size, bias=False)
         head_dim = cfg.hidden_size // cfg.num_heads
         theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim // 2, theta), persistent=False)

@@ -22,6 +22,7 @@ from vlmserve.models.layers import (
     ACTIVATIONS,
     FusedLinear,
     GatedMLP,
+    Linear,
     PagedAttention,
     ZeroCenteredRMSNorm,
     mrope_positions,
@@ -35,8 +36,8 @@ from vlmserve.multimodal.inputs import MultiModalFeature
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden)
-        self.linear_fc2 = nn.Linear(hidden, dim)
+        self.linear_fc1 = Linear(dim, hidden)
+        self.linear_fc2 = Linear(hidden, dim)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):
@@ -61,8 +62,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.hidden = cfg.hidden_size * cfg.spatial_merge_size**2
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.hidden, self.hidden)
-        self.linear_fc2 = nn.Linear(self.hidden, cfg.out_hidden_size)
+        self.linear_fc1 = Linear(self.hidden, self.hidden)
+        self.linear_fc2 = Linear(self.hidden, cfg.out_hidden_size)
 
     def forward(self, x):
         return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.hidden))))
@@ -75,7 +76,7 @@ class VisionTransformer(nn.Module):
         self.hidden = cfg.hidden_size
         patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
         # a Conv3d whose kernel equals its stride is a matmul over flattened patches
-        self.patch_embed = nn.Linear(patch_dim, cfg.hidden_size, bias=True)
+        self.patch_embed = Linear(patch_dim, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.grid_side = int(cfg.num_position_embeddings**0.5)
         theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
@@ -152,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.head_v))
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k, self.head_v)

@@ -80,14 +80,27 @@ def test_the_readme_run_command(tmp_path):
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    """The checkpoint is stored in bf16; 'auto' runs it in bf16 only where bf16 matmuls are fast."""
+    """The checkpoint is stored in bf16; 'auto' runs it in bf16 only where bf16 matmuls are
+    faster than fp32 ones (timed, since the CPU flags don't say)."""
     import torch
     from transformers import AutoConfig
 
     from vlmserve.worker import model_loader
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
-    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: False)
     assert model_loader.resolve_dtype("auto", config) == torch.float32
-    monkeypatch.setattr(model_loader, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: True)
     assert model_loader.resolve_dtype("auto", config) == torch.bfloat16
+    assert model_loader.resolve_dtype("float32", config) == torch.float32  # an explicit dtype is kept
+
+
+def test_the_bf16_timing_answers_and_is_cached():
+    from vlmserve.worker import model_loader
+
+    model_loader.cpu_bf16_is_faster.cache_clear()
+    first = model_loader.cpu_bf16_is_faster()
+    assert isinstance(first, bool)
+    assert model_loader.cpu_bf16_is_faster.cache_info().hits == 0
+    assert model_loader.cpu_bf16_is_faster() is first  # timed once per process
+    assert model_loader.cpu_bf16_is_faster.cache_info().hits == 1

@@ -12,6 +12,9 @@ class EngineArgs:
     dtype: str = "auto"  # the checkpoint's (half precision as bf16 where the CPU has fast bf16, else fp32)
     device: str = "cpu"
     seed: int = 0
+    # a prepacked copy of each linear weight (oneDNN layout on CPU): faster batched matmuls,
+    # taken only when the copies fit in a quarter of the machine's memory
+    pack_weights: bool = True
     # scheduling
     max_model_len: int | None = None  # default: the model's, capped by the KV cache
     max_num_seqs: int = 64

@@ -55,7 +55,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(args.model)
         torch.manual_seed(args.seed)
 
-        model, hf_config = load_model(self.model_path, args.dtype, args.device)
+        model, hf_config = load_model(self.model_path, args.dtype, args.device, args.pack_weights)
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.hf_config = hf_config

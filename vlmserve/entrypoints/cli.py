@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory-gb")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size)
+    g.add_argument("--no-weight-packing", action="store_true",
+                   help="keep no prepacked copy of the linear weights (saves their memory; batched decode is slower)")
     g.add_argument("--seed", type=int, default=d.seed)
     m = p.add_argument_group("media")
     m.add_argument("--allowed-local-media-path", default=None, help="serve local files under this folder only")
@@ -55,6 +57,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         encoder_cache_size=args.encoder_cache_size,
+        pack_weights=not args.no_weight_packing,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=[h.strip() for h in args.allowed_media_domains.split(",") if h.strip()],
         limit_mm_per_prompt=args.limit_mm_per_prompt,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from vlmserve.models import get_model_class
+from vlmserve.models.layers import Linear
 from vlmserve.models.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -38,18 +41,37 @@ def _skip_param_init(dtype: torch.dtype):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cpu_has_fast_bf16() -> bool:
-    """oneDNN bf16 kernels need AVX-512 (or AMX); without them torch falls back to a scalar
-    bf16 gemm some 50x slower than fp32 (measured on an AVX2 CPU)."""
+@functools.cache
+def cpu_bf16_is_faster() -> bool:
+    """Whether bf16 matmuls beat fp32 ones on this CPU, timed once per process (a few
+    milliseconds). The CPU's flags don't tell: without AVX-512 torch's bf16 gemm is ~50x
+    slower than fp32, with AVX-512 bf16 but no AMX it runs at ~0.7x, with AMX several
+    times faster (all measured)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
     except (AttributeError, RuntimeError):
         return False
+
+    def best_of_3(dtype: torch.dtype) -> float:
+        a, b = torch.randn(128, 512, dtype=dtype), torch.randn(512, 1024, dtype=dtype)
+        a @ b  # first call: kernel selection
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    fp32, bf16 = best_of_3(torch.float32), best_of_3(torch.bfloat16)
+    logger.debug("bf16 matmul %.3f ms, fp32 %.3f ms", bf16 * 1e3, fp32 * 1e3)
+    return bf16 < 0.8 * fp32  # worth the lost precision only when clearly faster
 
 
 def resolve_dtype(name: str, hf_config) -> torch.dtype:
     """'auto' runs the checkpoint's own dtype, except that half precision runs as bfloat16
-    where the CPU has fast bf16 matmuls (no CPU has fast fp16 ones), else as float32."""
+    where bf16 matmuls are faster than fp32 on this CPU (no CPU here has fast fp16 ones),
+    else as float32."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
@@ -58,10 +80,28 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     if isinstance(saved, str):
         saved = _DTYPES.get(saved)
     half = saved in (torch.bfloat16, torch.float16)
-    return torch.bfloat16 if half and cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if half and cpu_bf16_is_faster() else torch.float32
 
 
-def load_model(model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu") -> tuple[nn.Module, object]:
+def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
+    """Gives every linear layer a prepacked copy of its weight (where its device has such
+    a layout: oneDNN's on CPU), unless the copies would take more than `memory_share` of
+    this machine's memory. Returns the bytes the copies take."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if extra > memory_share * total:
+        logger.info("linear weights not packed: a copy (%.1f GB) would take over %d%% of memory",
+                    extra / 1e9, memory_share * 100)
+        return 0
+    for m in linears:
+        m.pack()
+    return extra if any(m.packed_weight is not None for m in linears) else 0
+
+
+def load_model(
+    model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu", pack_weights: bool = True
+) -> tuple[nn.Module, object]:
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if not isinstance(dtype, torch.dtype):
@@ -72,6 +112,9 @@ def load_model(model_path: str | Path, dtype: str | torch.dtype, device: str = "
     model.load_weights(iter_safetensors(model_path))
     model = model.to(device=device).eval()  # params were created in dtype; fp32 buffers stay fp32
     model.requires_grad_(False)
+    if pack_weights:
+        packed = pack_linear_weights(model)
+        logger.debug("packed linear weights: %.1f MB", packed / 1e6)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%.1fM parameters, %s) in %.2fs",

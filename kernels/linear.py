@@ -1,0 +1,45 @@
+"""Linear layers, optionally on a prepacked copy of the weight.
+
+On CPU a weight can be reordered once into oneDNN's blocked layout. For the row counts
+of batched decode (8-64 tokens) a matmul on it runs 1.5-2x faster than `F.linear` on the
+plain weight, and as fast for long prefills; for one to a few rows (a single stream
+decoding) the plain weight is faster. So a packed layer keeps both and picks by row count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.kernels.registry import register
+
+PACKED_MIN_ROWS = 8  # below this the plain weight is faster (measured: 1 row ~25% slower packed)
+
+
+@register("pack_linear_weight")
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """No packed layout off the CPU: the plain weight is used."""
+    return None
+
+
+@register("pack_linear_weight", "cpu")
+def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+@register("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@register("linear", "cpu")
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if packed is None or rows < PACKED_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
