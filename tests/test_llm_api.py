@@ -111,7 +111,41 @@ def test_prompt_longer_than_the_context_is_refused(qwen25_path):
     llm = LLM(qwen25_path, num_kv_blocks=256, max_model_len=64)
     with pytest.raises(ValueError, match="context is 64 tokens"):
         llm.generate("Hello world " * 100)
+    # short text, but a picture whose tokens take it over the context
+    with pytest.raises(ValueError, match="media included"):
+        llm.chat(chat({"type": "image", "image": make_image(224, 224, 3)}))
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab = llm.engine.hf_config.text_config.vocab_size
+    for bad in ([1, 2, vocab], [-1, 5]):
+        with pytest.raises(ValueError, match="not a token id of this model"):
+            llm.generate({"prompt_token_ids": bad})
+    assert llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))[0].finished
+
+
+def test_a_fault_in_the_model_fails_its_step_and_poisons_no_cache(llm):
+    """The requests of a step whose forward raised end with finish reason "error"; nothing
+    that step was to compute (KV blocks, the picture's encoder output) is reused later."""
+    picture = chat({"type": "image", "image": make_image(90, 70, 21)})
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    engine = llm.engine
+    assert engine.reset_caches()
+    expected = llm.chat(picture, greedy)[0].outputs[0].text
+    assert engine.reset_caches()
+    runner = engine.engine_core.runner
+    forward = runner.model.forward
+    runner.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated fault"))
+    try:
+        failed = llm.chat(picture, greedy)[0]
+    finally:
+        runner.model.forward = forward
+    assert failed.outputs[0].finish_reason == "error" and "simulated fault" in failed.error
+    assert engine.stats().blocks_in_use == [0, 0] and not engine.has_unfinished_requests()
+    again = llm.chat(picture, greedy)[0]
+    assert again.num_cached_tokens == 0  # the failed step's blocks were not kept for the prefix cache
+    assert again.outputs[0].text == expected
 
 
 def test_too_many_placeholders_or_images_is_refused(llm):

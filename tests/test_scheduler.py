@@ -46,18 +46,29 @@ def make_request(rid, prompt_len, max_tokens, images=(), priority=0, arrival=Non
 
 
 class FakeRunner:
-    """Samples a token for every request whose scheduled range reaches its last token."""
+    """Samples a token for every request whose scheduled range reaches its last token, and
+    keeps the encoder outputs as the real runner does: every picture a step's tokens
+    reach must be encoded in that step or still be in its cache."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.encoded: list[str] = []
+        self.cache: set[str] = set()
 
     def execute(self, so):
         ids, sampled = [], []
-        for rid, n in so.num_scheduled_tokens.items():
+        self.cache -= set(so.free_encoder_mm_hashes)
+        for rid in so.num_scheduled_tokens:
             req = self.scheduler.requests[rid]
             for i in so.scheduled_encoder_inputs.get(rid, []):
                 self.encoded.append(req.mm_features[i].mm_hash)
+                self.cache.add(req.mm_features[i].mm_hash)
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = req.num_computed_tokens - n
+            for f in req.mm_features:
+                if f.offset < start + n and f.end > start:
+                    assert f.mm_hash in self.cache, f"{rid} reaches {f.mm_hash}, which was never encoded"
             ids.append(rid)
             # num_computed_tokens was already advanced by schedule()
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
@@ -86,7 +97,7 @@ def assert_everything_free(sched):
     assert not sched.requests and not sched.running and not sched.waiting
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_random_workload_respects_budget_and_frees_everything(seed):
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=rng.choice([24, 40, 200]), budget=rng.choice([8, 16, 64]),
@@ -230,3 +241,73 @@ def test_sliding_window_group_holds_a_bounded_number_of_blocks():
     assert peak[0] == -(-72 // BS)  # full attention keeps everything
     assert peak[1] <= -(-window // BS) + 1
     assert_everything_free(sched)
+
+
+def test_a_picture_two_requests_need_is_encoded_when_the_first_is_preempted():
+    """A (low priority, running first) and B both reach picture X in one step; A's run of
+    the encoder is scheduled, B joins it, then B's blocks run out and A is preempted:
+    X must still be encoded, for B."""
+    sched = make_scheduler(num_blocks=15, budget=32, enc_budget=8, enc_cache=64)
+    runner = FakeRunner(sched)
+    # one picture per step fits the encoder budget: A stops before Y2, then before X
+    a = make_request("a", 40, 2, [("y1", 2, 8), ("y2", 12, 8), ("x", 22, 8)], priority=1, arrival=0, seed=1)
+    sched.add_request(a)
+    so = sched.schedule()
+    sched.update_from_output(so, runner.execute(so))
+    assert so.num_scheduled_tokens == {"a": 12}
+    b = make_request("b", 30, 2, [("x", 10, 8)], priority=0, arrival=1, seed=2)
+    sched.add_request(b)
+    so = sched.schedule()  # A encodes Y2; B comes in but stops before X (no encoder budget left)
+    sched.update_from_output(so, runner.execute(so))
+    assert so.num_scheduled_tokens == {"a": 10, "b": 10}
+    so = sched.schedule()
+    assert [r.request_id for r in sched.waiting] == ["a"] and sched.num_preemptions == 1  # A made room for B
+    assert so.scheduled_encoder_inputs == {"b": [0]}  # X is still encoded, now for B
+    sched.update_from_output(so, runner.execute(so))  # the runner asserts B's tokens find X
+    run_to_completion(sched, runner)
+    assert a.is_finished() and b.is_finished()
+    assert_everything_free(sched)
+
+
+def test_a_failed_step_leaves_nothing_behind_that_a_later_request_could_hit():
+    """The step's blocks were hashed when allocated, its picture's encoder entry made:
+    after the failure neither may be hit, and a retry computes everything again."""
+    sched = make_scheduler(num_blocks=64, budget=64)
+    runner = FakeRunner(sched)
+    first = make_request("first", 24, 2, [("pic", 4, 8)], seed=5)
+    sched.add_request(first)
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {"first": [0]}
+    sched.discard_step(so)  # as EngineCore does when execute_model raises
+    assert first.status == RequestStatus.FINISHED_ERROR
+    assert_everything_free(sched)
+    assert sched.kv_cache_manager.block_pool.cached_blocks == {}
+    retry = make_request("retry", 24, 2, [("pic", 4, 8)], seed=5)
+    sched.add_request(retry)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"retry": 24}  # no prefix hit on the failed step's blocks
+    assert so.scheduled_encoder_inputs == {"retry": [0]}  # and the picture is encoded again
+    assert "pic" in so.free_encoder_mm_hashes  # the runner drops whatever the failed run left
+    sched.update_from_output(so, runner.execute(so))
+    run_to_completion(sched, runner)
+    assert_everything_free(sched)
+
+
+def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
+    from vlmserve.core.state_pool import StatePool
+
+    pool = StatePool(4)
+    live = pool.take()
+    for key in "abc":  # three snapshots, one step each
+        pool.save(key, live)
+        pool.drain_copies()
+        pool.commit()
+    assert pool.num_free() == 3 and pool.lookup("a") is not None  # "a" is now the most recent
+    pool.restore(pool.snapshots["b"], live)  # "b" is read by this step: pinned
+    slot = pool.take()  # evicts the least recently used unpinned one: "c"
+    assert slot is not None and "c" not in pool.snapshots and set(pool.snapshots) == {"a", "b"}
+    pool.release(slot)
+    pool.save("d", live)  # then the step fails
+    pool.abort_step()
+    pool.commit()
+    assert pool.lookup("d") is None and pool.free and pool.num_free() == 3  # its slot is free again

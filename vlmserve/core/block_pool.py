@@ -108,7 +108,7 @@ class BlockPool:
         """Pops n free blocks (evicting their cached content, LRU first)."""
         blocks = self.free_block_queue.popleft_n(n)
         for block in blocks:
-            self._evict(block)
+            self.uncache(block)
             block.ref_cnt = 1
         return blocks
 
@@ -151,7 +151,8 @@ class BlockPool:
             # A duplicate (computed twice concurrently) keeps the first block in the map.
             self.cached_blocks.setdefault(key, block)
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forgets a block's hash: no later request can hit it."""
         key = block.block_hash
         if key is None:
             return

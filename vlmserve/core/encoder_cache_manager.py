@@ -66,18 +66,26 @@ class EncoderCacheManager:
             self.stats.misses += 1
         self._add_ref(feature.mm_hash, request.request_id)
 
-    def deallocate(self, request: Request, input_id: int) -> None:
-        """Undoes allocate() for an item that was never computed (its step was called off)."""
+    def deallocate(self, request: Request, input_id: int) -> bool:
+        """Undoes allocate() for an item not yet computed, whose request left this step.
+        The entry stays while another request of the step still needs it (that one will
+        have it encoded); returns True if the entry is gone."""
         mm_hash = request.mm_features[input_id].mm_hash
-        size = self.sizes.pop(mm_hash, None)
-        if size is None:
-            return
-        self.refs.pop(mm_hash, None)
-        if mm_hash in self.freeable:
-            del self.freeable[mm_hash]
-            self.num_freeable_slots -= size
-        self.num_free_slots += size
+        if mm_hash not in self.sizes:
+            return True
+        users = self.refs.get(mm_hash, set())
+        users.discard(request.request_id)
+        if users:
+            return False
+        self._drop(mm_hash)
         self.stats.misses -= 1
+        return True
+
+    def discard(self, mm_hash: str) -> None:
+        """Drops an entry whose encoder run failed (its requests have ended)."""
+        if mm_hash in self.sizes:
+            self._drop(mm_hash)
+            self._evicted.append(mm_hash)  # the runner may hold a tensor for it
 
     def free_encoder_input(self, request: Request, input_id: int) -> None:
         mm_hash = request.mm_features[input_id].mm_hash
@@ -105,6 +113,14 @@ class EncoderCacheManager:
 
     def num_referenced(self) -> int:
         return sum(1 for users in self.refs.values() if users)
+
+    def _drop(self, mm_hash: str) -> None:
+        size = self.sizes.pop(mm_hash)
+        self.refs.pop(mm_hash, None)
+        if mm_hash in self.freeable:
+            del self.freeable[mm_hash]
+            self.num_freeable_slots -= size
+        self.num_free_slots += size
 
     def _add_ref(self, mm_hash: str, request_id: str) -> None:
         users = self.refs.setdefault(mm_hash, set())

@@ -154,6 +154,14 @@ class KVCacheManager:
     def commit_step(self) -> None:
         self.state_pool.commit()
 
+    def discard_step(self, computed_before: dict[str, int]) -> None:
+        """After a step that failed: what it was to compute must not be hit later.
+        computed_before: request id -> tokens it had computed before the step."""
+        for request_id, num_tokens in computed_before.items():
+            for manager in self.managers:
+                manager.forget_from(request_id, num_tokens)
+        self.state_pool.abort_step()
+
     # -- views ---------------------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Per group: block ids (attention) or the live state slot (recurrent)."""

@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
+        self.encoding: set[str] = set()  # mm_hashes this step sends to the encoder
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +111,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         preempted: list[Request] = []
+        self.encoding = set()
 
         # 1. running requests: decodes and the next chunks of prefills
         i = 0
@@ -253,6 +255,13 @@ class Scheduler:
                 continue  # already in the KV cache
             if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
                 continue  # the same picture twice in one request is encoded once
+            if feature.mm_hash in self.encoding:
+                # another request of this step sends it to the encoder; this one names
+                # that run too, so it still happens if the other one leaves the step
+                self.encoder_cache_manager.allocate(request, i)
+                to_encode.append(i)
+                request.media_sources.setdefault(i, "encoder_cache")
+                continue
             if self.encoder_cache_manager.check_and_update_cache(request, i):
                 request.media_sources.setdefault(i, "encoder_cache")
                 continue
@@ -260,6 +269,7 @@ class Scheduler:
                 num_new = max(feature.offset - num_computed, 0)
                 break
             self.encoder_cache_manager.allocate(request, i)
+            self.encoding.add(feature.mm_hash)
             encoder_budget -= feature.length
             to_encode.append(i)
             request.media_sources[i] = "encoded"
@@ -268,8 +278,25 @@ class Scheduler:
     def _cancel_encoder_inputs(self, request: Request, input_ids: list[int]) -> None:
         """Undoes _schedule_encoder_inputs for a request that did not make it into the step."""
         for j in input_ids:
-            self.encoder_cache_manager.deallocate(request, j)
+            if self.encoder_cache_manager.deallocate(request, j):
+                self.encoding.discard(request.mm_features[j].mm_hash)
         self.encoder_cache_manager.free(request)  # references taken on cache hits
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """After a step whose execution failed: its requests end with an error, and
+        nothing it was to compute (KV blocks, recurrent-state snapshots, encoder outputs)
+        can be hit by a later request."""
+        computed_before, encoded = {}, set()
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            computed_before[rid] = request.num_computed_tokens - n
+            encoded |= {request.mm_features[j].mm_hash for j in scheduler_output.scheduled_encoder_inputs.get(rid, [])}
+        self.kv_cache_manager.discard_step(computed_before)
+        self.finish_requests(list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
+        for mm_hash in encoded:
+            self.encoder_cache_manager.discard(mm_hash)
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s", request.request_id)

@@ -71,6 +71,12 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Lets go of blocks no future query of the request can see."""
 
+    def forget_from(self, request_id: str, num_tokens: int) -> None:
+        """Unregisters the request's blocks from token num_tokens on, which a failed step
+        was to fill: they were hashed when allocated, but hold no valid keys."""
+        for block in self.req_to_blocks.get(request_id, [])[num_tokens // self.block_size:]:
+            self.block_pool.uncache(block)
+
     def num_held_blocks(self, request_id: str) -> int:
         return sum(1 for b in self.req_to_blocks.get(request_id, []) if not b.is_null)
 
@@ -198,6 +204,9 @@ class MambaManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         pass
+
+    def forget_from(self, request_id: str, num_tokens: int) -> None:
+        pass  # a failed step's snapshots are dropped by StatePool.abort_step
 
     def num_held_blocks(self, request_id: str) -> int:
         return 0

@@ -81,6 +81,13 @@ class StatePool:
         self.pending.clear()
         self.pinned.clear()
 
+    def abort_step(self) -> None:
+        """After a step that failed: the snapshots it was to write hold nothing valid."""
+        self.free.extend(self.pending.values())
+        self.pending.clear()
+        self.pinned.clear()
+        self.restores, self.saves = [], []
+
     def reset(self) -> None:
         """Forgets every snapshot (live slots are untouched)."""
         for slot in self.snapshots.values():

@@ -36,7 +36,7 @@ class EngineCore:
             # a fault in the model fails the requests of this step, not the engine
             logger.exception("model execution failed")
             ids = list(scheduler_output.num_scheduled_tokens)
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            self.scheduler.discard_step(scheduler_output)
             return [
                 EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(e).__name__}: {e}")
                 for rid in ids

@@ -161,6 +161,11 @@ class InputProcessor:
         so the ids are exactly transformers'."""
         if inp.prompt is not None:
             return self.tokenizer.encode(self._expand_text(inp.prompt, media), add_special_tokens=False)
+        vocab = getattr(getattr(self.hf_config, "text_config", self.hf_config), "vocab_size", None)
+        bad = [t for t in inp.prompt_token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
+        if bad:
+            span = f" (0 to {vocab - 1})" if vocab else ""
+            raise ValueError(f"prompt_token_ids holds {bad[0]!r}, not a token id of this model{span}")
         out, counters = [], dict.fromkeys(MODALITIES, 0)
         by_id = {self.pad_id[m]: m for m in MODALITIES if self.pad_id[m] is not None}
         for token in inp.prompt_token_ids:
