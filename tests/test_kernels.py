@@ -83,3 +83,33 @@ def test_packing_is_skipped_when_the_copy_would_not_fit():
     assert all(m.packed_weight is None for m in model)
     assert model_loader.pack_linear_weights(model) == 2 * 64 * 64 * 4
     assert all(m.packed_weight is not None for m in model)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 150])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_gated_delta_rule_equals_the_recurrence(t, with_state):
+    """Prefill over several 64-token chunks, from zeros or a carried state, equals the
+    decode recurrence run token by token; and the conv1d prefill equals its decode."""
+    torch.manual_seed(t)
+    b, hk, h, dk, dv = 2, 2, 4, 16, 8
+    q, k = torch.randn(b, t, hk, dk), torch.randn(b, t, hk, dk)
+    v = torch.randn(b, t, h, dv)
+    g = -torch.rand(b, t, h)  # log decay, negative
+    beta = torch.rand(b, t, h)
+    state = torch.randn(b, h, dk, dv) if with_state else None
+    out, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    s = state if with_state else torch.zeros(b, h, dk, dv)
+    for i in range(t):
+        o, s = ops.recurrent_gated_delta_rule(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s)
+        torch.testing.assert_close(out[:, i], o, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(final, s, atol=2e-4, rtol=2e-4)
+
+    c, kernel = 6, 4
+    x, weight = torch.randn(b, t, c), torch.randn(c, kernel)
+    conv_state = torch.randn(b, c, kernel - 1) if with_state else None
+    y, new_state = ops.causal_conv1d_prefill(x, weight, conv_state)
+    carried = conv_state if with_state else torch.zeros(b, c, kernel - 1)
+    for i in range(t):
+        yi, carried = ops.causal_conv1d_decode(x[:, i], weight, carried)
+        torch.testing.assert_close(y[:, i], yi, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_state, carried)

@@ -57,3 +57,10 @@ def test_logprobs_entries():
     e = entries[0]
     assert e.token_ids == [0, 0, 1] and e.rank == 1
     assert abs(e.logprobs[0] - LOGITS[0].item()) < 1e-6
+
+
+def test_temperature_sharpens_or_flattens_the_distribution():
+    for temperature in (0.5, 2.0):
+        gen = torch.Generator().manual_seed(3)
+        freq = frequencies(batch(4000, temperature=temperature, gens=[gen] * 4000))
+        assert torch.allclose(freq, torch.softmax(LOGITS / temperature, dim=-1), atol=0.03), temperature
