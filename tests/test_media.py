@@ -255,3 +255,27 @@ def test_greedy_output_with_a_video_equals_transformers(family, request, tmp_pat
     ref_tokens, ref_prompt = hf.generate_video(prompt, str(video), 12)
     assert out.prompt_token_ids == ref_prompt  # timestamps and placeholders included
     assert out.outputs[0].token_ids == ref_tokens
+
+
+def test_own_pixel_cap_and_background_are_settings():
+    """The pixel cap is vlmserve's own (refused from the header, far below PIL's bomb
+    guard) and so is the colour under transparent pixels."""
+    strict = MediaLoader(MediaLimits(max_image_pixels=100 * 100, background=(0, 0, 0)))
+    with pytest.raises(MediaError, match="120x100 pixels, over the 10000-pixel limit"):
+        strict.decode_image(strict.read(image_bytes(picture(120, 100)), "image"))
+    clear = Image.new("RGBA", (8, 8), (200, 10, 10, 0))
+    assert np.asarray(strict.decode_image(strict.read(image_bytes(clear), "image"))).max() == 0
+    assert np.asarray(MediaLoader().decode_image(MediaLoader().read(image_bytes(clear), "image"))).min() == 255
+
+
+def test_numpy_pictures_and_the_video_limit(qwen25_path):
+    llm = LLM(qwen25_path, num_kv_blocks=256, limit_mm_per_prompt={"image": 1, "video": 0})
+    img = picture(64, 48, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    as_pil = llm.chat(_chat({"type": "image", "image": img}), greedy)[0]
+    as_array = llm.chat(_chat({"type": "image", "image": np.asarray(img)}), greedy)[0]
+    assert as_array.outputs[0].token_ids == as_pil.outputs[0].token_ids
+    frames = np.stack([np.asarray(picture(64, 48, seed=s)) for s in range(4)])
+    with pytest.raises(ValueError, match="1 video\\(s\\) in one prompt, over the limit of 0"):
+        llm.chat(_chat({"type": "video", "video": frames}))
+    assert llm.chat(_chat({"type": "image", "image": img}), greedy)[0].finished

@@ -39,6 +39,7 @@ class EngineArgs:
     max_image_pixels: int = 64 << 20
     max_video_bytes: int = 200 << 20
     media_fetch_timeout: float = 10.0
+    image_background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels, as transformers
     processor_cache_gb: float = 0.25
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every item
     processing_threads: int = 4

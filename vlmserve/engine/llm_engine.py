@@ -67,6 +67,7 @@ class LLMEngine:
                 allowed_local_media_path=args.allowed_local_media_path,
                 allowed_media_domains=list(args.allowed_media_domains),
                 fetch_timeout=args.media_fetch_timeout,
+                background=tuple(args.image_background),
             )
         )
         self.mm_processor = MultiModalProcessor(

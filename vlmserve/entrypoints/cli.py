@@ -20,6 +20,14 @@ def parse_limits(text: str) -> dict[str, int]:
     return limits
 
 
+def parse_rgb(text: str) -> tuple[int, int, int]:
+    """'255,255,255' -> (255, 255, 255)"""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) <= 255 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected R,G,B with each 0-255, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     g = p.add_argument_group("engine")
@@ -42,6 +50,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--limit-mm-per-prompt", type=parse_limits, default=dict(d.limit_mm_per_prompt),
                    help="image=N,video=M")
     m.add_argument("--max-image-mb", type=float, default=d.max_image_bytes / (1 << 20))
+    m.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="larger pictures are refused from their header, before decoding")
+    m.add_argument("--max-video-mb", type=float, default=d.max_video_bytes / (1 << 20))
+    m.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout, help="seconds, for http(s) media")
+    m.add_argument("--processor-cache-gb", type=float, default=d.processor_cache_gb)
+    m.add_argument("--image-background", type=parse_rgb, default=d.image_background,
+                   help="R,G,B under transparent pixels")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -62,6 +77,11 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         allowed_media_domains=[h.strip() for h in args.allowed_media_domains.split(",") if h.strip()],
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_image_bytes=int(args.max_image_mb * (1 << 20)),
+        max_image_pixels=args.max_image_pixels,
+        max_video_bytes=int(args.max_video_mb * (1 << 20)),
+        media_fetch_timeout=args.media_fetch_timeout,
+        processor_cache_gb=args.processor_cache_gb,
+        image_background=args.image_background,
     )
 
 
