@@ -279,3 +279,22 @@ def test_numpy_pictures_and_the_video_limit(qwen25_path):
     with pytest.raises(ValueError, match="1 video\\(s\\) in one prompt, over the limit of 0"):
         llm.chat(_chat({"type": "video", "video": frames}))
     assert llm.chat(_chat({"type": "image", "image": img}), greedy)[0].finished
+
+
+def test_a_long_clip_keeps_only_the_frames_the_model_samples(qwen35_path):
+    """Qwen3.5 samples 2 frames per second: of a 3-second, 30-fps clip only those are
+    converted to RGB and kept, and they are the frames a full decode has there."""
+    from transformers import AutoConfig
+
+    proc = MultiModalProcessor(qwen35_path, AutoConfig.from_pretrained(qwen35_path), MediaLoader())
+    data = video_bytes("mp4", frames=90, fps=30)
+    decoded = []
+    decode = proc.loader.decode_video
+    proc.loader.decode_video = lambda raw, choose=None: decoded.append(decode(raw, choose)) or decoded[-1]
+    item = proc.process(data, "video")
+    video = decoded[0]
+    assert video.num_frames == 90 and video.kept is not None and len(video.frames) == len(video.kept) <= 8
+    full = decode(proc.loader.read(data, "video"))
+    assert full.kept is None and len(full.frames) == 90
+    assert np.array_equal(video.frames, full.frames[video.kept])
+    assert item.data["grid_thw"][0] == len(video.kept) // 2

@@ -19,10 +19,14 @@ import urllib.request
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
+
+
+FrameChooser = Callable[[int, "float | None"], Any]  # (frames in the video, fps) -> indices to keep
 
 
 class MediaError(ValueError):
@@ -41,8 +45,20 @@ class RawMedia:
 
 @dataclass
 class DecodedVideo:
-    frames: np.ndarray  # [num_frames, H, W, 3] uint8: every decoded frame
+    frames: np.ndarray  # [kept, H, W, 3] uint8
     fps: float | None  # None for frames handed in without a rate
+    num_frames: int = 0  # frames in the video; 0: as many as were kept
+    kept: list[int] | None = None  # which of them `frames` holds; None: all
+
+    def __post_init__(self) -> None:
+        self.num_frames = self.num_frames or len(self.frames)
+
+    def select(self, indices: np.ndarray) -> np.ndarray:
+        """The frames at these indices of the video (all of them must have been kept)."""
+        if self.kept is None:
+            return self.frames[indices]
+        position = {i: p for p, i in enumerate(self.kept)}
+        return self.frames[[position[int(i)] for i in indices]]
 
 
 @dataclass
@@ -126,12 +142,15 @@ class MediaLoader:
         return img.convert("RGB")
 
     # -- videos ---------------------------------------------------------------------------
-    def decode_video(self, raw: RawMedia) -> DecodedVideo:
+    def decode_video(self, raw: RawMedia, choose: FrameChooser | None = None) -> DecodedVideo:
+        """All frames, or, when the container tells its frame count up front, only those
+        choose(num_frames, fps) picks: the others are decoded (they must be, to reach the
+        next) but never converted to RGB nor kept — a long clip costs a few frames' memory."""
         if raw.decoded is not None:
             return raw.decoded
-        return self._decode_video(raw.content, raw.what)
+        return self._decode_video(raw.content, raw.what, choose)
 
-    def _decode_video(self, data: bytes, what: str) -> DecodedVideo:
+    def _decode_video(self, data: bytes, what: str, choose: FrameChooser | None) -> DecodedVideo:
         import av
 
         try:
@@ -142,7 +161,11 @@ class MediaLoader:
                 if stream.width * stream.height > self.limits.max_video_frame_pixels:
                     raise MediaError(f"{what} frames are {stream.width}x{stream.height}, over the pixel limit")
                 rate = stream.average_rate or stream.guessed_rate
-                frames, broken = [], 0
+                declared = stream.frames or 0
+                wanted = None
+                if choose is not None and declared:
+                    wanted = {int(i) for i in choose(declared, float(rate) if rate else None)}
+                frames, kept, count, broken = [], [], 0, 0
                 # packet by packet, so that a damaged frame is skipped, not fatal
                 for packet in container.demux(stream):
                     try:
@@ -151,17 +174,22 @@ class MediaLoader:
                         broken += 1
                         continue
                     for frame in decoded:
-                        if len(frames) >= self.limits.max_video_frames:
+                        if count >= self.limits.max_video_frames:
                             raise MediaError(f"{what} has more than {self.limits.max_video_frames} frames")
-                        frames.append(frame.to_ndarray(format="rgb24"))
+                        if wanted is None or count in wanted:
+                            frames.append(frame.to_ndarray(format="rgb24"))
+                            kept.append(count)
+                        count += 1
         except MediaError:
             raise
         except Exception as e:  # av raises its own error types for broken containers
             raise MediaError(f"{what} is not a readable video ({type(e).__name__}: {e})") from None
-        if not frames:
+        if not count:
             detail = f" ({broken} damaged packet(s))" if broken else ""
             raise MediaError(f"{what} has no decodable frame{detail}")
-        return DecodedVideo(np.stack(frames), float(rate) if rate else None)
+        if wanted is not None and count != declared:  # the header's count was wrong: keep every frame
+            return self._decode_video(data, what, None)
+        return DecodedVideo(np.stack(frames), float(rate) if rate else None, count, None if wanted is None else kept)
 
     # -- sources -------------------------------------------------------------------------
     def _read(self, source: Any, max_bytes: int, kind: str) -> tuple[bytes, str]:

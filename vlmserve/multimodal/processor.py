@@ -138,23 +138,30 @@ class MultiModalProcessor:
     def _process_video(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
         from transformers.video_utils import VideoMetadata
 
-        video = self.loader.decode_video(raw)
-        n, h, w = video.frames.shape[:3]
-        fps = video.fps if video.fps else float(settings.get("fps", self.video_processor.fps or 2))
-        meta = VideoMetadata(total_num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
-        indices = np.arange(n)
-        if self.video_processor.do_sample_frames or "fps" in settings:
-            # the processor's own sampling (fps, min/max frames), as transformers applies it
+        def meta_of(n: int, rate: float | None, h: int = 0, w: int = 0) -> VideoMetadata:
+            fps = rate or float(settings.get("fps", self.video_processor.fps or 2))
+            return VideoMetadata(total_num_frames=n, fps=fps, width=w, height=h, duration=n / fps)
+
+        def choose(n: int, rate: float | None) -> np.ndarray:
+            """The frames the model sees: the processor's own sampling (fps, min/max
+            frames) as transformers applies it, or all of them."""
+            if not (self.video_processor.do_sample_frames or "fps" in settings):
+                return np.arange(n)
             sampling = {"fps": settings["fps"]} if "fps" in settings else {}
             try:
-                indices = np.asarray(self.video_processor.sample_frames(metadata=meta, **sampling)).astype(int)
+                return np.asarray(self.video_processor.sample_frames(metadata=meta_of(n, rate), **sampling)).astype(int)
             except (ValueError, TypeError) as e:
                 raise MediaError(f"{raw.what}: cannot sample frames ({e})") from None
+
+        video = self.loader.decode_video(raw, choose)
+        n, (h, w) = video.num_frames, video.frames.shape[1:3]
+        meta = meta_of(n, video.fps, h, w)
+        indices = choose(n, video.fps)
         temporal = self.video_processor.temporal_patch_size
         if len(indices) < temporal:
             raise MediaError(f"{raw.what} has {n} frame(s); the model needs at least {temporal}")
         meta.frames_indices = indices.tolist()
-        frames = torch.from_numpy(video.frames[indices]).permute(0, 3, 1, 2)
+        frames = torch.from_numpy(video.select(indices)).permute(0, 3, 1, 2)
         kwargs = dict(self._size_kwargs(self.video_processor, settings), video_metadata=[meta],
                       do_sample_frames=False, return_tensors="pt")
         if hasattr(type(self.video_processor), "cap_pixels_per_frame"):
