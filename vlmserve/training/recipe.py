@@ -2,7 +2,10 @@
 
 A Qwen3.5 (Gated DeltaNet + gated attention, Qwen3-VL-style vision tower) small enough
 to train on a 2-core CPU and to ship inside the package, sized for the shapes world:
-pictures are resized to 192 x 192 (6 x 6 merged tokens, two per grid cell side).
+pictures are resized to 192 x 192, 12 x 12 patches of 16 px, merged 4 x 4 into 3 x 3
+tokens: exactly one language-model token per grid cell. The tower sums up a cell, and
+the language model looks up 9 tokens instead of 36 (4 per cell, an object often in
+only one of them), which is what its questions ask: what is in which cell.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ CHAT_TEMPLATE = qwen_chat_template(video="<|video_pad|>")
 
 IMAGE_SIDE = 192
 PATCH = 16
-MERGE = 2
+MERGE = 4
 
 TEXT_CONFIG = dict(
     hidden_size=256,
@@ -51,9 +54,9 @@ TEXT_CONFIG = dict(
 
 VISION_CONFIG = dict(
     depth=4,
-    hidden_size=192,
-    intermediate_size=768,
-    num_heads=3,
+    hidden_size=128,
+    intermediate_size=512,
+    num_heads=2,
     patch_size=PATCH,
     temporal_patch_size=2,
     spatial_merge_size=MERGE,
@@ -64,10 +67,12 @@ VISION_CONFIG = dict(
 
 # any square picture of 160..320 px comes out at exactly 192 x 192
 IMAGE_PROCESSOR = dict(min_pixels=176 * 176, max_pixels=208 * 208, patch_size=PATCH, merge_size=MERGE)
-# videos: 160..224 px per frame, whatever their length (4..8 frames) and size
+# videos: 4 frames sampled evenly (a straight-line move shows in any 4), each resized to
+# 192 x 192 like a picture: 2 frame pairs x 9 tokens, whatever the clip's length and size
+VIDEO_FRAMES = 4
 VIDEO_PROCESSOR = dict(
-    size={"shortest_edge": 4 * 128 * 128, "longest_edge": 8 * 160 * 160},
-    patch_size=PATCH, merge_size=MERGE, fps=2, min_frames=4, max_frames=16,
+    size={"shortest_edge": VIDEO_FRAMES * 176 * 176, "longest_edge": VIDEO_FRAMES * 208 * 208},
+    patch_size=PATCH, merge_size=MERGE, fps=2, min_frames=VIDEO_FRAMES, max_frames=VIDEO_FRAMES,
 )
 
 
