@@ -78,7 +78,7 @@ def main() -> None:
     tokens = {}
 
     def vlm():
-        llm.engine.reset_caches()  # every repeat starts cold: no prefix or encoder cache hits across runs
+        llm.engine.reset_caches()  # every repeat starts cold: no prefix, encoder or processor cache hits across runs
         tokens["vlmserve"] = run_vlmserve(llm, reqs)
 
     vlm()  # warm-up (first-call allocations)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -61,7 +62,7 @@ def test_a_folder_with_copies_broken_files_and_a_video(qwen25_path, folder, tmp_
         original = by_path[c["duplicate_of"]]
         assert original["duplicate_of"] is None
         assert (c["caption"], c["mm_hash"]) == (original["caption"], original["mm_hash"])
-    assert "done 48 (of which duplicates 5)" in result.stderr and "failed 2" in result.stderr
+    assert "done 48 (of which duplicates 5, captioned 43)" in result.stderr and "failed 2" in result.stderr
     video = by_path[str(folder / "clip.mp4")]
     assert video["caption"] is not None and video["prompt_tokens"] > 10
     # the captions are the LLM API's for the same settings
@@ -86,28 +87,54 @@ def test_killed_halfway_then_resumed(qwen25_path, folder, tmp_path, sig):
         time.sleep(0.05)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    first = rows_of(out) if sig == signal.SIGINT else [json.loads(l) for l in out.read_text().splitlines()
-                                                        if l.endswith("}")]
+    text = out.read_text()
+    first = [json.loads(line) for line in text.splitlines() if line.endswith("}")]  # SIGKILL may tear the last
     assert 15 <= len(first) < 50
-    if sig == signal.SIGKILL:  # a torn last line may remain; the next run ignores it
-        pass
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and text.endswith("\n")
     result = caption(qwen25_path, str(folder), "--out", str(out), "--batch-size", "2", "--max-tokens", "48",
                      "--ignore-eos", "--resume")
-    lines = out.read_text().splitlines()
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    rows = rows_of(out)  # every line whole: a torn one was cut off before appending
     paths = [r["path"] for r in rows]
-    assert len(paths) == len(set(paths)) == 50  # each path exactly once: nothing captioned twice
+    assert len(paths) == len(set(paths)) == 50  # each path exactly once
     assert f"skipped {len(first)}" in result.stderr
+    # nothing captioned twice: the 43 originals (42 pictures, 1 video) ran once across both
+    # runs, and every copy points at its original, even one captioned before the kill
+    originals_before = sum(1 for r in first if r["error"] is None and r["duplicate_of"] is None)
+    captioned = int(re.search(r"captioned (\d+)", result.stderr).group(1))
+    assert originals_before + captioned == 43
+    copies = [r for r in rows if Path(r["path"]).name.startswith("zcopy")]
+    by_path = {r["path"]: r for r in rows}
+    assert len(copies) == 5 and all(by_path[c["duplicate_of"]]["caption"] == c["caption"] for c in copies)
+
+
+@pytest.mark.slow
+def test_globs_lists_prompt_and_max_pixels(qwen25_path, folder, tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{folder / 'img04.png'}\n# a comment\n{folder / 'img10.png'}\n")
+    jsonl = tmp_path / "list.jsonl"
+    jsonl.write_text(json.dumps({"path": str(folder / "img13.png")}) + "\n")
+    out = tmp_path / "captions.jsonl"
+    args = [str(folder / "img0[12].png"), str(listing), str(jsonl), "--prompt", "What is this?",
+            "--max-tokens", "5", "--ignore-eos"]
+    caption(qwen25_path, *args, "--out", str(out), check=True)
+    rows = {Path(r["path"]).name: r for r in rows_of(out)}
+    assert sorted(rows) == ["img01.png", "img02.png", "img04.png", "img10.png", "img13.png"]
+    assert all(r["output_tokens"] == 5 and r["finish_reason"] == "length" for r in rows.values())
+    llm = LLM(qwen25_path, num_kv_blocks=512, allowed_local_media_path=str(folder))
+    ref = llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(folder / "img13.png")}},
+                                                 {"type": "text", "text": "What is this?"}]}],
+                   SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert rows["img13.png"]["caption"] == ref.outputs[0].text
+    small = tmp_path / "small.jsonl"
+    caption(qwen25_path, *args, "--out", str(small), "--max-pixels", str(56 * 56), check=True)
+    smaller = {Path(r["path"]).name: r for r in rows_of(small)}
+    assert smaller["img13.png"]["prompt_tokens"] < rows["img13.png"]["prompt_tokens"]
+    assert smaller["img13.png"]["mm_hash"] != rows["img13.png"]["mm_hash"]  # other pixels, other hash
 
 
 @pytest.mark.slow
 def test_ray_gives_the_same_rows(qwen25_path, folder, tmp_path):
-    pytest.importorskip("ray")
     local, distributed = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     caption(qwen25_path, str(folder), "--out", str(local), "--max-tokens", "8")
     result = caption(qwen25_path, str(folder), "--out", str(distributed), "--max-tokens", "8", "--ray",
@@ -115,3 +142,21 @@ def test_ray_gives_the_same_rows(qwen25_path, folder, tmp_path):
     assert result.returncode == 1, result.stderr
     key = lambda r: r["path"]  # noqa: E731
     assert sorted(rows_of(distributed), key=key) == sorted(rows_of(local), key=key)
+
+
+def test_files_are_captioned_in_one_continuous_batch(qwen25_path, folder):
+    """Not one file at a time: many requests share each engine step."""
+    from vlmserve.engine.args import EngineArgs
+    from vlmserve.engine.llm_engine import LLMEngine
+    from vlmserve.entrypoints.caption import Captioner, expand_inputs
+
+    engine = LLMEngine(EngineArgs(model=qwen25_path, num_kv_blocks=512))
+    captioner = Captioner(engine, "Describe the image.", "Describe the image.",
+                          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), {}, concurrency=8)
+    running = []
+    step = engine.step
+    engine.step = lambda: (running.append(len(engine.engine_core.scheduler.running)), step())[1]
+    paths = [p for p in expand_inputs([str(folder)]) if p.endswith(".png")][:16]
+    rows = list(captioner.run(paths))
+    assert len(rows) == 16 and all(r.output_tokens == 6 for r in rows if r.error is None)
+    assert max(running) >= 6 and len(running) < 16 * 6  # steps are shared

@@ -237,10 +237,11 @@ class LLMEngine:
         return self.engine_core.runner.encoder_runs
 
     def reset_caches(self) -> bool:
-        """Forgets the prefix cache and the encoder cache (only when no request is running)."""
+        """Forgets the prefix, encoder and processor caches (only when no request is running)."""
         if self.has_unfinished_requests():
             return False
         self.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
         self.engine_core.scheduler.encoder_cache_manager.reset()
         self.engine_core.runner.encoder_cache.clear()
+        self.mm_processor.cache.clear()
         return True

@@ -3,7 +3,8 @@ engine's continuous batching — resumable, deduplicated, and on Ray when asked.
 
 Rows are written (and flushed) as they finish, so an interrupted run loses nothing that
 was done; `--resume` skips the paths already in the output. Byte-identical files (same
-mm_hash) are captioned once; each copy gets its original's caption and `duplicate_of`.
+mm_hash) are captioned once, across resumed runs too; each copy gets its original's
+caption and `duplicate_of`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Row:
 class Summary:
     total: int = 0
     done: int = 0
+    captioned: int = 0  # files the engine captioned (each original once; copies and failures not)
     skipped: int = 0  # already in the output (--resume)
     duplicates: int = 0
     failed: int = 0
@@ -56,7 +58,8 @@ class Summary:
     def line(self) -> str:
         rate = self.done / self.seconds if self.seconds else 0.0
         extras = "".join(f", {k} {v}" for k, v in self.extra.items())
-        return (f"done {self.done} (of which duplicates {self.duplicates}), skipped {self.skipped}, failed "
+        return (f"done {self.done} (of which duplicates {self.duplicates}, captioned {self.captioned}), "
+                f"skipped {self.skipped}, failed "
                 f"{self.failed}, in {self.seconds:.1f}s: {rate:.2f} files/s{extras}")
 
 
@@ -87,17 +90,28 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return [p for p in out if not (p in seen or seen.add(p))]
 
 
-def done_paths(out_path: Path) -> set[str]:
-    """Paths already in an output file; a torn last line (a crash mid-write) is ignored."""
+def previous_rows(out_path: Path) -> list[Row]:
+    """The rows of an earlier run's output. A torn last line (a crash mid-write) is cut
+    off the file, so the rows appended next start on a line of their own."""
     if not out_path.exists():
-        return set()
-    paths = set()
-    for line in out_path.read_text().splitlines():
+        return []
+    data = out_path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(out_path, "r+b") as f:
+            f.truncate(end)
+    rows = []
+    for line in data[:end].decode(errors="replace").splitlines():
         try:
-            paths.add(json.loads(line)["path"])
-        except (json.JSONDecodeError, KeyError):
+            rows.append(Row(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
             continue
-    return paths
+    return rows
+
+
+def captioned_originals(rows: list[Row]) -> dict[str, Row]:
+    """mm_hash -> the row that captioned it, for copies met in a resumed run."""
+    return {r.mm_hash: r for r in rows if r.mm_hash and r.error is None and r.duplicate_of is None}
 
 
 # -- the job on one machine -----------------------------------------------------------------------
@@ -117,6 +131,7 @@ class Captioner:
             for m, q in (("image", prompt), ("video", video_prompt))
         }
         self.pool = ThreadPoolExecutor(engine.args.processing_threads, thread_name_prefix="vlmserve-caption")
+        self.num_captioned = 0
 
     def _prepare(self, path: str):
         """Reads a file and hashes it (duplicates stop here: they are not decoded)."""
@@ -132,13 +147,15 @@ class Captioner:
                              media_settings={modality: [dict(self.settings)]})
         return self.engine.process_request(rid, prompt, self.params)
 
-    def run(self, paths: list[str]) -> Iterator[Row]:
-        """Yields a row per path, as they finish (duplicates right after their original)."""
+    def run(self, paths: list[str], known: dict[str, Row] | None = None) -> Iterator[Row]:
+        """Yields a row per path, as they finish (duplicates right after their original).
+        `known`: originals captioned by an earlier run, by mm_hash."""
         engine = self.engine
         reads: dict[str, Future] = {p: self.pool.submit(self._prepare, p) for p in paths[: 4 * self.concurrency]}
         queue = list(paths)
-        by_hash: dict[str, str] = {}  # mm_hash -> the path captioned for it
-        finished: dict[str, Row] = {}  # by original path
+        known = known or {}
+        by_hash: dict[str, str] = {k: r.path for k, r in known.items()}  # mm_hash -> the path captioned for it
+        finished: dict[str, Row] = {r.path: r for r in known.values()}  # by original path
         waiting_copies: dict[str, list[str]] = {}  # original path -> copies
         in_flight: dict[str, tuple[str, str]] = {}  # request id -> (path, mm_hash)
         processing: dict[str, Future] = {}
@@ -159,7 +176,7 @@ class Captioner:
                 original = by_hash.get(key)
                 if original is not None:
                     if original in finished:
-                        yield _copy_row(finished[original], path)
+                        yield copy_row(finished[original], path)
                     else:
                         waiting_copies.setdefault(original, []).append(path)
                     continue
@@ -186,6 +203,7 @@ class Captioner:
                 c = out.outputs[0]
                 row = Row(path, caption=c.text, mm_hash=key, prompt_tokens=out.num_prompt_tokens,
                           output_tokens=len(c.token_ids), finish_reason=c.finish_reason, error=out.error)
+                self.num_captioned += out.error is None
                 yield from self._finish(row, finished, waiting_copies)
 
     @staticmethod
@@ -193,14 +211,14 @@ class Captioner:
         finished[row.path] = row
         yield row
         for copy in waiting_copies.pop(row.path, []):
-            yield _copy_row(row, copy)
+            yield copy_row(row, copy)
 
     def abort_all(self) -> None:
         ids = list(self.engine.output_processor.requests)
         self.engine.abort_request(ids)
 
 
-def _copy_row(original: Row, path: str) -> Row:
+def copy_row(original: Row, path: str) -> Row:
     return Row(path, original.caption, original.mm_hash, original.prompt_tokens, original.output_tokens,
                original.finish_reason, original.error, duplicate_of=original.path)
 
@@ -231,7 +249,9 @@ def run_caption(args: argparse.Namespace) -> int:
 
     paths = expand_inputs(args.inputs)
     summary = Summary(total=len(paths))
-    already = done_paths(args.out) if args.resume else set()
+    previous = previous_rows(args.out) if args.resume else []
+    already = {r.path for r in previous}
+    known = captioned_originals(previous)
     if args.out.exists() and not args.resume:
         args.out.unlink()  # a fresh run starts a fresh file
     todo = [p for p in paths if p not in already]
@@ -246,7 +266,7 @@ def run_caption(args: argparse.Namespace) -> int:
         from vlmserve.entrypoints.caption_ray import run_on_ray
 
         rows = run_on_ray(args.ray, args.ray_workers, todo, engine_args, args.prompt, video_prompt, params, settings,
-                          args.batch_size)
+                          args.batch_size, known, summary)
         summary.extra["workers"] = args.ray_workers
         write_rows(rows, args.out, summary, len(todo), not args.no_progress)
     else:
@@ -255,12 +275,13 @@ def run_caption(args: argparse.Namespace) -> int:
         engine = LLMEngine(engine_args)
         captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
         interrupted = {"now": False}
-        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(now=True))
+        previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.update(now=True))
         try:
-            rows = _until(captioner.run(todo), interrupted)
+            rows = _until(captioner.run(todo, known), interrupted)
             write_rows(rows, args.out, summary, len(todo), not args.no_progress)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, previous_handler)
+        summary.captioned = captioner.num_captioned
         stats = engine.stats()
         summary.extra["encoder cache hits"] = stats.encoder_cache_hits
         summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)

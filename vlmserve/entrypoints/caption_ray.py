@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
-from vlmserve.entrypoints.caption import Row, modality_of
+from vlmserve.entrypoints.caption import Row, Summary, copy_row, modality_of
 
 
 def _hash_file(row: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -45,12 +45,13 @@ class CaptionActor:
         columns = {k: [] for k in asdict(Row("")).keys()}
         for row in rows:
             for k, v in asdict(row).items():
-                columns[k].append("" if v is None else v)
+                columns[k].append(v)
         return columns
 
 
 def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt: str, video_prompt: str, params,
-               settings: dict[str, Any], concurrency: int) -> Iterator[Row]:
+               settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary) -> Iterator[Row]:
+    """Rows as on one machine; `known`: originals captioned by an earlier run, by mm_hash."""
     import ray
 
     from vlmserve.multimodal.processor import normalize_settings
@@ -73,6 +74,9 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt
         if row["error"]:
             yield Row(row["path"], error=row["error"])
             continue
+        if row["mm_hash"] in known:
+            yield copy_row(known[row["mm_hash"]], row["path"])
+            continue
         original = originals.setdefault(row["mm_hash"], row["path"])
         if original == row["path"]:
             todo.append(row["path"])
@@ -89,11 +93,11 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt
         num_cpus=1,
     )
     for item in captions.iter_rows():
-        fields = {k: (None if v == "" else v) for k, v in item.items()}
+        fields = dict(item)
         for k in ("prompt_tokens", "output_tokens"):
             fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints for JSON
         row = Row(**fields)
+        summary.captioned += row.error is None
         yield row
         for path in copies.get(row.path, []):
-            yield Row(path, row.caption, row.mm_hash, row.prompt_tokens, row.output_tokens, row.finish_reason,
-                      row.error, duplicate_of=row.path)
+            yield copy_row(row, path)

@@ -60,6 +60,11 @@ class ProcessorCache:
             self.stats.hits += 1
             return item
 
+    def clear(self) -> None:
+        with self.lock:
+            self.items.clear()
+            self.size = 0
+
     def put(self, item: ProcessedMedia) -> None:
         if item.nbytes > self.capacity:
             return
