@@ -3,6 +3,7 @@ real `vlmserve ui` process. Screenshots go to artifacts/ui/."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
@@ -12,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from test_openai_server import Server
+from test_openai_server import Server, free_port
 from vlmserve.testing.checkpoints import build_qwen2_5_vl
 from vlmserve.training.shapes import normalize_answer
 
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "samples"
 SHOTS = REPO / "artifacts" / "ui"
 CHROMIUM = "/usr/bin/chromium"
+SEED_TEST_TEMPERATURE = 2.0  # high enough that the shipped model's answers depend on the seed
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +91,7 @@ class Page:
         """Type into a slider's number box until the slider itself holds the value (typing
         while the Settings accordion is still opening can be lost)."""
         deadline = time.time() + 10
-        while self.page.get_by_label(f"range slider for {label}").input_value() != value:
+        while float(self.page.get_by_label(f"range slider for {label}").input_value()) != float(value):
             assert time.time() < deadline, f"the {label} slider does not take {value}"
             self.page.get_by_label(f"number input for {label}").fill(value)
             self.page.keyboard.press("Tab")
@@ -114,8 +116,10 @@ def test_describe_a_sample_then_hit_the_prefix_cache(browser, ui):
     page.page.wait_for_timeout(300)
     again = page.ask(question, [str(SAMPLES / "shapes4.png")])
     page.shot("2-prefix-cache-hit")
-    cached = int(re.search(r"(\d+) from the prefix cache", page.stats()).group(1))
-    assert cached > 0 and normalize_answer(again) == normalize_answer(answer)
+    second = page.stats()
+    cached = int(re.search(r"(\d+) from the prefix cache", second).group(1))
+    assert cached > 0 and "1 in the prefix cache" in second and "encoder ran" not in second
+    assert normalize_answer(again) == normalize_answer(answer)
 
 
 def test_a_broken_file_shows_an_error_and_the_next_question_works(browser, ui, tmp_path):
@@ -125,29 +129,56 @@ def test_a_broken_file_shows_an_error_and_the_next_question_works(browser, ui, t
     error = page.ask("Describe the image.", [str(broken)])
     page.shot("3-broken-file")
     assert error.startswith("⚠️") and "not a readable image" in error
-    page.page.click("#clear")
-    question = "How many shapes are there?"
+    question = "How many shapes are there?"  # in the same conversation: the broken file is not sent again
     answer = page.ask(question, [str(SAMPLES / "shapes3.jpg")])
     page.shot("4-after-error")
     assert normalize_answer(answer) == expected("shapes3.jpg", question)
 
 
 def test_same_text_through_the_ui_and_the_api_for_the_same_seed(browser, ui):
+    """Two turns at a temperature where the seed matters: the UI's answers are the API's
+    for the same conversation and seed (and another seed answers otherwise)."""
     page = Page(browser, ui.base)
     page.page.click("text=Settings")
-    page.set_slider("temperature", "0.9")
+    page.set_slider("temperature", str(SEED_TEST_TEMPERATURE))
     page.page.fill("#seed textarea", "42")
-    question = "Where is the blue circle?"
-    ui_text = page.ask(question, [str(SAMPLES / "shapes4.png")])
+    picture = str(SAMPLES / "shapes4.png")
+    first_q, second_q = "Describe the image.", "How many shapes are there?"
+    first = page.ask(first_q, [picture])
+    second = page.ask(second_q)
+    page.shot("6-two-turns")
     client = openai.OpenAI(base_url=ui.base + "/v1", api_key="ui-test-key", max_retries=0)
-    import base64
+    url = "data:image/png;base64," + base64.b64encode(Path(picture).read_bytes()).decode()
+    turn = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "auto"}},
+                                         {"type": "text", "text": first_q}]}]
 
-    url = "data:image/png;base64," + base64.b64encode((SAMPLES / "shapes4.png").read_bytes()).decode()
-    api = client.chat.completions.create(
-        model=client.models.list().data[0].id, temperature=0.9, top_p=1.0, seed=42, max_tokens=128,
-        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "auto"}},
-                                               {"type": "text", "text": question}]}])
-    assert ui_text == api.choices[0].message.content.strip()
+    def api(messages, seed=42):
+        return client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                              temperature=SEED_TEST_TEMPERATURE, top_p=1.0, seed=seed,
+                                              max_tokens=128).choices[0].message.content.strip()
+
+    assert first == api(turn)
+    assert second == api(turn + [{"role": "assistant", "content": first}, {"role": "user", "content": second_q}])
+    assert any(api(turn, seed) != first for seed in range(43, 51))  # the seed does matter here
+
+
+def test_the_ui_against_another_server_and_a_server_that_is_down(browser, ui):
+    """--api-base: the UI alone, talking to a running server (here the in-process one of
+    the other UI), then to an address where nothing answers."""
+    remote = Server(None, "--api-base", ui.base + "/v1", "--api-key", "ui-test-key", command="ui")
+    down = Server(None, "--api-base", f"http://127.0.0.1:{free_port()}/v1", command="ui")
+    try:
+        page = Page(browser, remote.base)
+        question = "How many shapes are there?"
+        answer = page.ask(question, [str(SAMPLES / "shapes2.png")])
+        assert normalize_answer(answer) == expected("shapes2.png", question)
+        page = Page(browser, down.base)
+        error = page.ask(question, [str(SAMPLES / "shapes2.png")])
+        page.shot("7-server-down")
+        assert error.startswith("⚠️") and "not reachable" in error
+    finally:
+        remote.stop()
+        down.stop()
 
 
 def test_stop_really_aborts_a_long_answer(browser, tmp_path):

@@ -19,6 +19,7 @@ from typing import Any
 import gradio as gr
 import openai
 
+ERROR_MARK = "⚠️"  # starts an answer that is an error message
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
 
@@ -44,7 +45,9 @@ def file_part(path: str, detail: str) -> dict[str, Any]:
 
 
 def to_openai_messages(history: list[dict], detail: str) -> list[dict]:
-    """Gradio chat history (text and file parts) -> OpenAI chat messages."""
+    """Gradio chat history (text and file parts) -> OpenAI chat messages. A turn that
+    failed (its answer is an error shown in the chat) is left out, files and all: the
+    next question must not send the broken file again."""
     messages: list[dict] = []
     for msg in history:
         content = msg["content"] if isinstance(msg["content"], list) else [msg["content"]]
@@ -60,7 +63,10 @@ def to_openai_messages(history: list[dict], detail: str) -> list[dict]:
                     parts.append(file_part(path, detail))
         if msg["role"] == "assistant":
             text = "".join(p["text"] for p in parts if p["type"] == "text")
-            if text and not text.startswith("⚠️"):
+            if text.startswith(ERROR_MARK):
+                if messages and messages[-1]["role"] == "user":
+                    messages.pop()
+            elif text:
                 messages.append({"role": "assistant", "content": text})
             continue
         if messages and messages[-1]["role"] == "user":  # gradio splits a turn into several messages
@@ -127,11 +133,14 @@ class ChatApp:
                     history[-1]["content"] = text
                     yield history, ""
             yield history, stats_line(usage, ttft, time.perf_counter() - start, (usage or {}).get("completion_tokens", tokens))
-        except openai.APIStatusError as e:
-            history[-1]["content"] = f"⚠️ {_error_message(e)}"
-            yield history, ""
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            history[-1]["content"] = f"⚠️ the server is not reachable ({e.__class__.__name__}); is it running?"
+            history[-1]["content"] = f"{ERROR_MARK} the server is not reachable ({e.__class__.__name__}); is it running?"
+            yield history, ""
+        except openai.APIStatusError as e:
+            history[-1]["content"] = f"{ERROR_MARK} {_error_message(e)}"
+            yield history, ""
+        except openai.APIError as e:  # an error event in the middle of a stream
+            history[-1]["content"] = f"{ERROR_MARK} {e.message}"
             yield history, ""
         finally:
             if stream is not None:

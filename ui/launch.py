@@ -4,7 +4,6 @@ in-process, the UI and the OpenAI API side by side on one port."""
 from __future__ import annotations
 
 import logging
-import secrets
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,6 +21,7 @@ def run_ui(args) -> None:
     samples = sample_examples(Path(args.samples)) if args.samples else sample_examples(REPO_SAMPLES)
     if args.api_base:
         app = FastAPI(title="vlmserve ui")
+        app.get("/health")(lambda: {"status": "ok"})  # the UI itself is up (the server behind may not be)
         chat = ChatApp(args.api_base, args.api_key, samples=samples)
         logger.info("UI for %s on http://%s:%d", args.api_base, args.host, args.port)
     else:
@@ -30,10 +30,12 @@ def run_ui(args) -> None:
         from vlmserve.entrypoints.openai.api_server import OpenAIServer, _default_name
 
         engine = AsyncLLM(engine_args_from(args))
-        key = args.api_key or secrets.token_hex(16)  # the UI's own calls to the in-process API
         name = args.served_model_name or _default_name(engine.engine.model_path)
-        app = OpenAIServer(engine, name, api_key=key).build_app()
-        chat = ChatApp(f"http://127.0.0.1:{args.port}/v1", key, model=name, samples=samples)
+        # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
+        # or without; the UI's own calls go through it like any client's
+        app = OpenAIServer(engine, name, api_key=args.api_key).build_app()
+        own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        chat = ChatApp(f"http://{own}:{args.port}/v1", args.api_key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
     app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, allowed_paths=[str(p) for p in {REPO_SAMPLES} if p.exists()])
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
