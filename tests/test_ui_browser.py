@@ -74,12 +74,16 @@ class Page:
         return self.last_answer()
 
     def wait_done(self, before: int, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
+        """Until an answer was added, the input is usable again, and the answer is real
+        text that stays the same over two looks (not gradio's "loading content" placeholder)."""
+        deadline, seen = time.time() + timeout, None
         while time.time() < deadline:
-            # done when the input is usable again and an answer was added
-            if self.page.locator("#chat .message").count() > before and self.page.locator(
-                    "#input textarea").is_enabled():
+            done = self.page.locator("#chat .message").count() > before and self.page.locator(
+                "#input textarea").is_enabled()
+            answer = self.last_answer() if done else None
+            if answer and answer != "loading content" and answer == seen:
                 return
+            seen = answer
             time.sleep(0.2)
         raise AssertionError("no answer in time")
 
