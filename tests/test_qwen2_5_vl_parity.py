@@ -61,6 +61,7 @@ def test_single_request_matches_transformers(llm, hf_qwen25, case):
 
 
 def mixed_requests(hf):
+    """8 requests of every kind, each asking for its prompt logprobs too."""
     specs = [
         ("Describe the image.", [IMG_A], 12),
         (LONG_TEXT, [], 20),
@@ -71,7 +72,7 @@ def mixed_requests(hf):
         ("Answer the question. " * 4, [IMG_B, IMG_A], 10),
         ("a small red circle", [IMG_C], 14),
     ]
-    return specs, [request(hf, t, i) for t, i, _ in specs], [greedy(n) for _, _, n in specs]
+    return specs, [request(hf, t, i) for t, i, _ in specs], [greedy(n, prompt_logprobs=-1) for _, _, n in specs]
 
 
 def run_together(llm, prompts, params):
@@ -92,7 +93,7 @@ def test_eight_mixed_requests_together(llm, hf_qwen25):
     specs, prompts, params = mixed_requests(hf_qwen25)
     outs = run_together(llm, prompts, params)
     for out, (text, images, n) in zip(outs, specs):
-        check(out, hf_qwen25, text, images, n)
+        check(out, hf_qwen25, text, images, n, prompt_logprobs=True)
 
 
 def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
@@ -129,7 +130,7 @@ def test_preemption_with_a_tiny_kv_cache(qwen25_path, hf_qwen25):
     outs = run_together(llm, prompts, params)
     assert llm.engine.stats().num_preemptions > 0
     for out, (text, images, n) in zip(outs, specs):
-        check(out, hf_qwen25, text, images, n)
+        check(out, hf_qwen25, text, images, n, prompt_logprobs=True)
     assert llm.engine.stats().blocks_in_use == [0, 0]
 
 
@@ -141,7 +142,7 @@ def test_sliding_window_group_holds_a_window_of_blocks_while_decoding(qwen25_pat
     kv = engine.engine_core.scheduler.kv_cache_manager
     kinds = [type(g.spec).__name__ for g in kv.config.groups]
     sliding, full = kinds.index("SlidingWindowSpec"), kinds.index("FullAttentionSpec")
-    engine.add_request("long", "Hello world " * 12, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("long", "Hello world " * 12, SamplingParams(max_tokens=120, ignore_eos=True))
     held = []
     while engine.has_unfinished_requests():
         engine.step()
@@ -150,4 +151,4 @@ def test_sliding_window_group_holds_a_window_of_blocks_while_decoding(qwen25_pat
     assert engine.stats().blocks_in_use == [0, 0]
     window_blocks = -(-32 // 16) + 1
     assert max(h[sliding] for h in held) <= window_blocks
-    assert max(h[full] for h in held) >= 4 * 32 // 16  # the sequence is over 4 windows long
+    assert max(h[full] for h in held) > 4 * 32 // 16  # the sequence is over 4 windows long

@@ -49,7 +49,7 @@ def test_eight_mixed_requests_together(llm, hf_qwen35):
     specs, prompts, params = mixed_requests(hf_qwen35)
     outs = run_together(llm, prompts, params)
     for out, (text, images, n) in zip(outs, specs):
-        check(out, hf_qwen35, text, images, n)
+        check(out, hf_qwen35, text, images, n, prompt_logprobs=True)
     assert_all_free(llm)
 
 
@@ -70,7 +70,7 @@ def test_preemption_with_a_tiny_kv_cache(qwen35_path, hf_qwen35):
     outs = run_together(llm, prompts, params)
     assert llm.engine.stats().num_preemptions > 0
     for out, (text, images, n) in zip(outs, specs):
-        check(out, hf_qwen35, text, images, n)
+        check(out, hf_qwen35, text, images, n, prompt_logprobs=True)
     assert_all_free(llm)
 
 
