@@ -129,3 +129,26 @@ def test_recurrent_state_stays_constant_size(qwen35_path):
     assert peak[kinds.index("MambaSpec")] == 1
     assert peak[kinds.index("FullAttentionSpec")] > 5  # attention keeps growing with the sequence
     assert_all_free(llm)
+
+
+def test_one_memory_budget_shared_by_every_group(qwen35_path):
+    """kv_cache_memory_gb is the whole cache: recurrent state slots (one per running
+    request, plus prefix-cache snapshots within a quarter of the budget) and attention
+    blocks together fill it, and the tensors really allocated stay within it."""
+    budget_gb, seqs = 0.01, 4
+    llm = LLM(qwen35_path, kv_cache_memory_gb=budget_gb, max_num_seqs=seqs)
+    runner = llm.engine.engine_core.runner
+    config = llm.engine.engine_core.scheduler.kv_cache_manager.config
+    storages = {}
+    for tensors in runner.kv_caches.values():
+        for t in tensors:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    recurrent = {t.untyped_storage().data_ptr() for layer in runner.recurrent_layers for t in runner.kv_caches[layer]}
+    state_bytes = sum(n for p, n in storages.items() if p in recurrent)
+    total = sum(storages.values())
+    budget = budget_gb * (1 << 30)
+    assert 0.9 * budget < total <= budget
+    assert seqs < config.num_state_slots <= 9 * seqs  # running requests + snapshots
+    snapshot_bytes = state_bytes * (config.num_state_slots - seqs) / config.num_state_slots
+    assert snapshot_bytes <= budget / 4
+    assert config.num_blocks > 1 and total - state_bytes > budget / 2  # attention gets the rest
