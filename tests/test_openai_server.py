@@ -189,31 +189,36 @@ def test_concurrent_streams_hangups_and_health_under_load(server):
                 return None
         return text
 
-    async def health_latencies(stop):
-        times = []
-        async with httpx.AsyncClient() as h:
+    def health_latencies(stop: threading.Event, times: list[float]) -> None:
+        # a thread of its own: the test's event loop is busy reading 40 streams, and its
+        # delays are not the server's
+        with httpx.Client() as h:
             while not stop.is_set():
                 t = time.perf_counter()
-                r = await h.get(server.base + "/health")
+                r = h.get(server.base + "/health")
                 times.append(time.perf_counter() - t)
                 assert r.status_code == 200
-                await asyncio.sleep(0.05)
-        return times
+                time.sleep(0.05)
 
     async def main():
         client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
-        stop = asyncio.Event()
-        health = asyncio.create_task(health_latencies(stop))
-        results = await asyncio.gather(*[stream_one(client, i, hang_up=i >= 32) for i in range(40)])
-        stop.set()
-        return results, await health
+        await client.models.list()  # the client's first call imports and sets up; not under test
+        return await asyncio.gather(*[stream_one(client, i, hang_up=i >= 32) for i in range(40)])
 
     aborted_before = server.metric('request_success_total{finished_reason="abort"}')
-    results, latencies = asyncio.run(main())
+    stop, latencies = threading.Event(), []
+    health = threading.Thread(target=health_latencies, args=(stop, latencies))
+    health.start()
+    try:
+        results = asyncio.run(main())
+    finally:
+        stop.set()
+        health.join()
     assert all(r for r in results[:32]) and all(r is None for r in results[32:])
     latencies.sort()
-    # the API stays responsive while the engine computes (on 2 busy cores a few take longer)
-    assert latencies[len(latencies) // 2] < 0.1 and latencies[int(0.9 * len(latencies))] < 0.5
+    # the API stays responsive while the engine computes: 9 health checks in 10 within
+    # 100 ms (measured: p90 15-50 ms; on 2 busy cores one in ~25 can take a few 100 ms)
+    assert latencies[int(0.9 * len(latencies))] < 0.1 and latencies[-1] < 1.0
     deadline = time.time() + 10
     while time.time() < deadline and (server.metric("kv_cache_blocks_in_use") or server.metric("num_requests_running")):
         time.sleep(0.2)
