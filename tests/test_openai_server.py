@@ -109,7 +109,9 @@ def test_chat_with_images_streamed_and_not_equal_to_the_llm_api(server, qwen25_p
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     text = by_data.choices[0].message.content
-    assert text and streamed == text == by_file.choices[0].message.content
+    streamed_file = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=image_chat(str(media_dir / "pic.png")), stream=True, **kwargs) if c.choices)
+    assert text and streamed == text == by_file.choices[0].message.content == streamed_file
     assert chunks[-1].usage.completion_tokens == by_data.usage.completion_tokens
     llm = LLM(qwen25_path, num_kv_blocks=512)
     ref = llm.chat(image_chat(data_url(IMG)), SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=16))[0]
@@ -135,6 +137,13 @@ def test_n_stop_logprobs(server):
     cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True})
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    hello = [{"role": "user", "content": "Hello"}]
+    chat_text = client.chat.completions.create(model="tiny", messages=hello, max_tokens=20, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].message.content
+    chat_stop = chat_text[6:9]
+    chat_cut = client.chat.completions.create(model="tiny", messages=hello, max_tokens=20, temperature=0,
+                                              stop=chat_stop, extra_body={"ignore_eos": True}).choices[0]
+    assert chat_cut.message.content == chat_text[: chat_text.index(chat_stop)] and chat_cut.finish_reason == "stop"
     lp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5,
                                         logprobs=True, top_logprobs=3, temperature=0)
     content = lp.choices[0].logprobs.content
@@ -359,3 +368,38 @@ def test_metrics_lists_every_series(server):
     for name in ("prefix_cache_hit_rate", "encoder_cache_hits_total", "processor_cache_hits_total",
                  "prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count"):
         assert server.metric(name) > 0, name
+
+
+@pytest.mark.slow
+def test_serve_without_a_model_answers_with_the_shipped_one_and_ctrl_c_drains():
+    """`vlmserve serve` with no --model: the shipped model answers a sample question
+    right; Ctrl-C while a request runs lets it finish in full, then the process exits."""
+    import json
+    from pathlib import Path
+
+    from vlmserve.training.shapes import normalize_answer
+
+    samples = Path(__file__).resolve().parent.parent / "samples"
+    expected = next(a for a in json.loads((samples / "answers.json").read_text())
+                    if a["file"] == "shapes3.jpg" and a["kind"] == "caption")
+    s = Server(None)
+    try:
+        url = "data:image/jpeg;base64," + base64.b64encode((samples / "shapes3.jpg").read_bytes()).decode()
+        r = s.client().chat.completions.create(model="tiny", temperature=0, max_tokens=64, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": expected["question"]}]}])
+        assert normalize_answer(r.choices[0].message.content) == normalize_answer(expected["answer"])
+        results = []
+        long = threading.Thread(target=lambda: results.append(httpx.post(
+            s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 400, "ignore_eos": True}, timeout=120)))
+        long.start()
+        deadline = time.time() + 30
+        while time.time() < deadline and s.metric("num_requests_running") < 1:
+            time.sleep(0.02)
+        code = s.stop(signal.SIGINT, timeout=120)
+        long.join()
+        assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] == 400
+        assert code in (0, -signal.SIGINT, 130)
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
