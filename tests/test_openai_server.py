@@ -403,3 +403,18 @@ def test_serve_without_a_model_answers_with_the_shipped_one_and_ctrl_c_drains():
     finally:
         if s.proc.poll() is None:
             s.stop()
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_on_a_plain_request_aborts_it(server):
+    """Not streamed: the server notices the closed connection while waiting for the
+    result, aborts the request and frees its blocks."""
+    aborted = server.metric('request_success_total{finished_reason="abort"}')
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0,
+                   json={"model": "tiny", "prompt": "Hello", "max_tokens": 100000, "ignore_eos": True})
+    deadline = time.time() + 15
+    while time.time() < deadline and server.metric("num_requests_running"):
+        time.sleep(0.1)
+    assert server.metric("num_requests_running") == 0 and server.metric("kv_cache_blocks_in_use") == 0
+    assert server.metric('request_success_total{finished_reason="abort"}') == aborted + 1

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -60,21 +60,20 @@ class OpenAIServer:
             logger.exception("unhandled error on %s", request.url.path)
             return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if self.api_key and request.url.path.startswith("/v1"):
-                if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-                    err = OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      code="invalid_api_key")
-                    return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
+        # a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
+        # connection so that the endpoint never sees a client hang up
+        async def check_key(request: Request) -> None:
+            if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+                raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                  code="invalid_api_key")
 
+        keyed = [Depends(check_key)]
         app.get("/health")(self.health)
         app.get("/version")(lambda: {"version": __version__})
         app.get("/metrics")(self.metrics_endpoint)
-        app.get("/v1/models")(self.models)
-        app.post("/v1/chat/completions")(self.chat_completions)
-        app.post("/v1/completions")(self.completions)
+        app.get("/v1/models", dependencies=keyed)(self.models)
+        app.post("/v1/chat/completions", dependencies=keyed)(self.chat_completions)
+        app.post("/v1/completions", dependencies=keyed)(self.completions)
         return app
 
     async def health(self):
