@@ -34,9 +34,9 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
-def caption(model: str, *args: str, check: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, "--no-progress",
-           "--num-kv-blocks", "512", *args]
+def caption(model: str, *args: str, check: bool = False, progress: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, "--num-kv-blocks", "512",
+           *args, *([] if progress else ["--no-progress"])]
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=600)
 
 
@@ -67,33 +67,43 @@ def test_a_folder_with_copies_broken_files_and_a_video(qwen25_path, folder, tmp_
     assert video["caption"] is not None and video["prompt_tokens"] > 10
     # the captions are the LLM API's for the same settings
     llm = LLM(qwen25_path, num_kv_blocks=512, allowed_local_media_path=str(folder))
-    some = [r for r in good if r["path"].endswith(".png")][:6]
-    outs = llm.chat([[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": r["path"]}},
-                                                   {"type": "text", "text": "Describe the image."}]}] for r in some],
-                    SamplingParams(temperature=0, max_tokens=8))
+    some = [r for r in good if r["path"].endswith(".png")][:6] + [video]
+    part = lambda path: ({"type": "video_url", "video_url": {"url": path}} if path.endswith(".mp4")  # noqa: E731
+                         else {"type": "image_url", "image_url": {"url": path}})
+    outs = llm.chat([[{"role": "user", "content": [part(r["path"]), {"type": "text", "text": "Describe the image."}]}]
+                     for r in some], SamplingParams(temperature=0, max_tokens=8))
     assert [o.outputs[0].text for o in outs] == [r["caption"] for r in some]
+    assert [o.num_prompt_tokens for o in outs] == [r["prompt_tokens"] for r in some]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_killed_halfway_then_resumed(qwen25_path, folder, tmp_path, sig):
-    out = tmp_path / "captions.jsonl"
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", qwen25_path, str(folder),
-           "--out", str(out), "--no-progress", "--num-kv-blocks", "512", "--batch-size", "2", "--max-tokens", "48",
-           "--ignore-eos"]
+def written_lines(out: Path) -> list[str]:
+    """The output's lines so far, and its shards' (the Ray path's workers write those)."""
+    files = [out, *sorted(out.with_name(out.name + ".shards").glob("*.jsonl"))]
+    return [line for f in files if f.exists() for line in f.read_text().splitlines()]
+
+
+KILL_SETTINGS = ["--batch-size", "2", "--max-tokens", "48", "--ignore-eos"]
+
+
+def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *extra: str) -> tuple[list[dict], str]:
+    """Starts a run, sends `sig` once 15 of the 50 rows are written, resumes; returns the
+    rows written before the kill and the resumed run's stderr."""
+    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, str(folder),
+           "--out", str(out), "--no-progress", "--num-kv-blocks", "512", *KILL_SETTINGS, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 15):
+    while time.time() < deadline and len(written_lines(out)) < 15:
         time.sleep(0.05)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    text = out.read_text()
-    first = [json.loads(line) for line in text.splitlines() if line.endswith("}")]  # SIGKILL may tear the last
+    time.sleep(1)  # a Ray worker may finish the row it was writing
+    lines = written_lines(out)
+    first = [json.loads(line) for line in lines if line.endswith("}")]  # SIGKILL may tear the last
     assert 15 <= len(first) < 50
     if sig == signal.SIGINT:
-        assert proc.returncode == 130 and text.endswith("\n")
-    result = caption(qwen25_path, str(folder), "--out", str(out), "--batch-size", "2", "--max-tokens", "48",
-                     "--ignore-eos", "--resume")
+        assert proc.returncode == 130 and all(line.endswith("}") for line in lines)
+    result = caption(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra, "--resume")
+    assert not out.with_name(out.name + ".shards").exists()  # merged into the output
     rows = rows_of(out)  # every line whole: a torn one was cut off before appending
     paths = [r["path"] for r in rows]
     assert len(paths) == len(set(paths)) == 50  # each path exactly once
@@ -106,6 +116,13 @@ def test_killed_halfway_then_resumed(qwen25_path, folder, tmp_path, sig):
     copies = [r for r in rows if Path(r["path"]).name.startswith("zcopy")]
     by_path = {r["path"]: r for r in rows}
     assert len(copies) == 5 and all(by_path[c["duplicate_of"]]["caption"] == c["caption"] for c in copies)
+    return rows, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_killed_halfway_then_resumed(qwen25_path, folder, tmp_path, sig):
+    kill_halfway_then_resume(qwen25_path, folder, tmp_path / "captions.jsonl", sig)
 
 
 @pytest.mark.slow
@@ -117,7 +134,9 @@ def test_globs_lists_prompt_and_max_pixels(qwen25_path, folder, tmp_path):
     out = tmp_path / "captions.jsonl"
     args = [str(folder / "img0[12].png"), str(listing), str(jsonl), "--prompt", "What is this?",
             "--max-tokens", "5", "--ignore-eos"]
-    caption(qwen25_path, *args, "--out", str(out), check=True)
+    result = caption(qwen25_path, *args, "--out", str(out), check=True, progress=True)
+    bar = result.stderr.replace("\r", "\n")  # tqdm redraws its line in place
+    assert re.search(r"5/5 \[[0-9:]+<[0-9:]+, +[0-9.]+ ?file/s", bar), bar  # done/total, elapsed<ETA, files/s
     rows = {Path(r["path"]).name: r for r in rows_of(out)}
     assert sorted(rows) == ["img01.png", "img02.png", "img04.png", "img10.png", "img13.png"]
     assert all(r["output_tokens"] == 5 and r["finish_reason"] == "length" for r in rows.values())
@@ -134,14 +153,16 @@ def test_globs_lists_prompt_and_max_pixels(qwen25_path, folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_gives_the_same_rows(qwen25_path, folder, tmp_path):
+def test_ray_interrupted_and_resumed_gives_the_rows_of_one_machine(qwen25_path, folder, tmp_path):
+    """On a local 2-worker Ray cluster: Ctrl-C halfway leaves the workers' output shards,
+    --resume merges them and captions the rest; the rows are the single machine's."""
     local, distributed = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    caption(qwen25_path, str(folder), "--out", str(local), "--max-tokens", "8")
-    result = caption(qwen25_path, str(folder), "--out", str(distributed), "--max-tokens", "8", "--ray",
-                     "--ray-workers", "2")
+    result = caption(qwen25_path, str(folder), "--out", str(local), *KILL_SETTINGS)
     assert result.returncode == 1, result.stderr
+    rows, stderr = kill_halfway_then_resume(qwen25_path, folder, distributed, signal.SIGINT, "--ray", "--ray-workers", "2")
     key = lambda r: r["path"]  # noqa: E731
-    assert sorted(rows_of(distributed), key=key) == sorted(rows_of(local), key=key)
+    assert sorted(rows, key=key) == sorted(rows_of(local), key=key)
+    assert re.search(r"workers 2, encoder cache hits \d+, prefix-cached tokens \d+", stderr)
 
 
 def test_files_are_captioned_in_one_continuous_batch(qwen25_path, folder):

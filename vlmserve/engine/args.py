@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vlmserve.multimodal.media import MediaLimits
+
 
 @dataclass
 class EngineArgs:
@@ -43,6 +45,18 @@ class EngineArgs:
     processor_cache_gb: float = 0.25
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every item
     processing_threads: int = 4
+
+    def media_limits(self) -> MediaLimits:
+        """The size and source checks every reader of this engine's media applies."""
+        return MediaLimits(
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_video_bytes=self.max_video_bytes,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_media_domains=list(self.allowed_media_domains),
+            fetch_timeout=self.media_fetch_timeout,
+            background=tuple(self.image_background),
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

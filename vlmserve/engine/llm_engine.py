@@ -19,7 +19,7 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
 from vlmserve.engine.output_processor import OutputProcessor
-from vlmserve.multimodal.media import MediaLimits, MediaLoader
+from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
@@ -59,17 +59,7 @@ class LLMEngine:
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.hf_config = hf_config
-        media_loader = MediaLoader(
-            MediaLimits(
-                max_image_bytes=args.max_image_bytes,
-                max_image_pixels=args.max_image_pixels,
-                max_video_bytes=args.max_video_bytes,
-                allowed_local_media_path=args.allowed_local_media_path,
-                allowed_media_domains=list(args.allowed_media_domains),
-                fetch_timeout=args.media_fetch_timeout,
-                background=tuple(args.image_background),
-            )
-        )
+        media_loader = MediaLoader(args.media_limits())
         self.mm_processor = MultiModalProcessor(
             self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
         )

@@ -14,6 +14,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -90,23 +91,53 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return [p for p in out if not (p in seen or seen.add(p))]
 
 
-def previous_rows(out_path: Path) -> list[Row]:
-    """The rows of an earlier run's output. A torn last line (a crash mid-write) is cut
-    off the file, so the rows appended next start on a line of their own."""
-    if not out_path.exists():
-        return []
-    data = out_path.read_bytes()
+def complete_lines(path: Path) -> bytes:
+    """A JSONL file's whole lines. A torn last line (a crash mid-write) is cut off the
+    file, so the rows appended next start on a line of their own."""
+    data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
-        with open(out_path, "r+b") as f:
+        with open(path, "r+b") as f:
             f.truncate(end)
+    return data[:end]
+
+
+def parse_rows(data: bytes) -> list[Row]:
     rows = []
-    for line in data[:end].decode(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             rows.append(Row(**json.loads(line)))
         except (json.JSONDecodeError, TypeError):
             continue
     return rows
+
+
+def shard_dir(out: Path) -> Path:
+    """Where the Ray path's workers write their output shards until they are merged."""
+    return out.with_name(out.name + ".shards")
+
+
+def merge_shards(out: Path) -> None:
+    """Appends the rows of the output shards to `out`, then deletes them. A row whose path
+    `out` already has is skipped, so a merge cut short by a crash can simply run again."""
+    shards = shard_dir(out)
+    if not shards.is_dir():
+        return
+    have = {r.path for r in parse_rows(complete_lines(out))} if out.exists() else set()
+    with open(out, "a") as f:
+        for part in sorted(shards.glob("*.jsonl")):
+            for row in parse_rows(complete_lines(part)):
+                if row.path not in have:
+                    have.add(row.path)
+                    write_row(f, row)
+        os.fsync(f.fileno())
+    shutil.rmtree(shards)
+
+
+def previous_rows(out: Path) -> list[Row]:
+    """The rows of an earlier run's output (its shards merged first)."""
+    merge_shards(out)
+    return parse_rows(complete_lines(out)) if out.exists() else []
 
 
 def captioned_originals(rows: list[Row]) -> dict[str, Row]:
@@ -249,11 +280,12 @@ def run_caption(args: argparse.Namespace) -> int:
 
     paths = expand_inputs(args.inputs)
     summary = Summary(total=len(paths))
-    previous = previous_rows(args.out) if args.resume else []
+    if not args.resume:  # a fresh run starts a fresh file
+        args.out.unlink(missing_ok=True)
+        shutil.rmtree(shard_dir(args.out), ignore_errors=True)
+    previous = previous_rows(args.out)
     already = {r.path for r in previous}
     known = captioned_originals(previous)
-    if args.out.exists() and not args.resume:
-        args.out.unlink()  # a fresh run starts a fresh file
     todo = [p for p in paths if p not in already]
     summary.skipped = len(paths) - len(todo)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -261,36 +293,43 @@ def run_caption(args: argparse.Namespace) -> int:
     settings = {"max_pixels": args.max_pixels} if args.max_pixels else {}
     engine_args = engine_args_from(args)
     video_prompt = args.video_prompt or args.prompt
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
+    interrupted = False
     if args.ray:
         from vlmserve.entrypoints.caption_ray import run_on_ray
 
         rows = run_on_ray(args.ray, args.ray_workers, todo, engine_args, args.prompt, video_prompt, params, settings,
-                          args.batch_size, known, summary)
+                          args.batch_size, known, summary, args.out)
         summary.extra["workers"] = args.ray_workers
-        write_rows(rows, args.out, summary, len(todo), not args.no_progress)
+        try:
+            track(rows, summary, len(todo), not args.no_progress)  # the workers write the rows
+            merge_shards(args.out)
+        except KeyboardInterrupt:  # the shards stay, for --resume
+            interrupted = True
     else:
         from vlmserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_args)
         captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
-        interrupted = {"now": False}
-        previous_handler = signal.signal(signal.SIGINT, lambda *_: interrupted.update(now=True))
+        stop = {"now": False}
+        previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
         try:
-            rows = _until(captioner.run(todo, known), interrupted)
-            write_rows(rows, args.out, summary, len(todo), not args.no_progress)
+            with open(args.out, "a") as out:
+                track(_until(captioner.run(todo, known), stop), summary, len(todo), not args.no_progress, out)
         finally:
             signal.signal(signal.SIGINT, previous_handler)
+        interrupted = stop["now"]
+        if interrupted:
+            captioner.abort_all()
         summary.captioned = captioner.num_captioned
         stats = engine.stats()
         summary.extra["encoder cache hits"] = stats.encoder_cache_hits
         summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
-        if interrupted["now"]:
-            captioner.abort_all()
-            summary.seconds = time.time() - start
-            print(f"interrupted: {summary.line()}; rerun with --resume to continue", file=sys.stderr)
-            return 130
     summary.seconds = time.time() - start
+    if interrupted:
+        print(f"interrupted: {summary.line()}; rerun with --resume to continue", file=sys.stderr)
+        return 130
     print(summary.line(), file=sys.stderr)
     return 1 if summary.failed else 0
 
@@ -302,18 +341,23 @@ def _until(rows: Iterator[Row], interrupted: dict) -> Iterator[Row]:
             return
 
 
-def write_rows(rows, out: Path, summary: Summary, total: int, progress: bool) -> None:
+def write_row(f, row: Row) -> None:
+    f.write(json.dumps(asdict(row)) + "\n")
+    f.flush()  # a crash or Ctrl-C loses nothing that was written
+
+
+def track(rows: Iterator[Row], summary: Summary, total: int, progress: bool, out=None) -> None:
+    """Counts the rows into the summary and the progress bar (files, files/s, ETA), and
+    writes them to `out` when given."""
     from tqdm import tqdm
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=total, unit="file", disable=not progress, dynamic_ncols=True)
-    with open(out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(asdict(row)) + "\n")
-            f.flush()  # a crash or Ctrl-C loses nothing that was written
-            summary.done += row.error is None
-            summary.failed += row.error is not None
-            summary.duplicates += row.duplicate_of is not None
-            bar.update(1)
-            bar.set_postfix(failed=summary.failed, refresh=False)
+    for row in rows:
+        if out is not None:
+            write_row(out, row)
+        summary.done += row.error is None
+        summary.failed += row.error is not None
+        summary.duplicates += row.duplicate_of is not None
+        bar.update(1)
+        bar.set_postfix(failed=summary.failed, refresh=False)
     bar.close()

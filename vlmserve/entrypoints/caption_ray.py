@@ -2,56 +2,80 @@
 
 Two stages, as on one machine: every file is read and hashed (a map over the cluster),
 the driver picks one original per mm_hash, then an actor pool — one engine per actor —
-captions the originals with `map_batches`. Rows stream back to the driver, which writes
-them (and the duplicates' rows) to the output as they arrive, so `--resume` works the same.
+captions the originals with `map_batches`. Each actor appends its rows (an original's,
+then its copies') to an output shard of its own, flushed row by row, as the single
+machine writes its file; the driver's own rows (unreadable files, copies of originals an
+earlier run captioned) go to a shard of the driver's. At the end, the driver merges the
+shards into `--out`; a run that is interrupted leaves them, and `--resume` merges them
+first. Like the inputs, the output must be on a file system every worker sees.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from vlmserve.entrypoints.caption import Row, Summary, copy_row, modality_of
+from vlmserve.entrypoints.caption import Row, Summary, copy_row, modality_of, shard_dir, write_row
+
+# per-batch engine counters an actor sends back with its rows (on the batch's first row)
+COUNTERS = ("encoder_cache_hits", "prefix_cached_tokens")
 
 
-def _hash_file(row: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    from pathlib import Path
-
+def _hash_file(row: dict[str, Any], engine_args, settings: dict[str, Any]) -> dict[str, Any]:
     from vlmserve.multimodal.hashing import mm_hash
     from vlmserve.multimodal.media import MediaLoader
 
     path = row["path"]
     modality = modality_of(path) or "image"
     try:
-        raw = MediaLoader().read(Path(path).read_bytes(), modality)
+        raw = MediaLoader(engine_args.media_limits()).read(Path(path).read_bytes(), modality)
         return {"path": path, "mm_hash": mm_hash(modality, raw.content, settings), "error": ""}
     except Exception as e:
         return {"path": path, "mm_hash": "", "error": f"{type(e).__name__}: {e}"}
 
 
 class CaptionActor:
-    """One engine per actor; captions each batch of paths with continuous batching."""
+    """One engine per actor; captions each batch of originals with continuous batching and
+    appends the rows, the originals' and their copies', to this actor's shard."""
 
     def __init__(self, engine_args, prompt: str, video_prompt: str, params, settings: dict[str, Any],
-                 concurrency: int) -> None:
+                 concurrency: int, shards: str) -> None:
+        import os
+        import socket
+
         from vlmserve.engine.llm_engine import LLMEngine
         from vlmserve.entrypoints.caption import Captioner
 
-        self.captioner = Captioner(LLMEngine(engine_args), prompt, video_prompt, params, settings, concurrency)
+        self.engine = LLMEngine(engine_args)
+        self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency)
+        self.shard = open(Path(shards) / f"part-{socket.gethostname()}-{os.getpid()}.jsonl", "a")
+        self.counted = {k: 0 for k in COUNTERS}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
-        rows = list(self.captioner.run(list(batch["path"])))
-        columns = {k: [] for k in asdict(Row("")).keys()}
-        for row in rows:
-            for k, v in asdict(row).items():
-                columns[k].append(v)
+        copies = {p: json.loads(c) for p, c in zip(batch["path"], batch["copies"])}
+        columns: dict[str, list] = {k: [] for k in [*asdict(Row("")), *COUNTERS]}
+        for original in self.captioner.run(list(batch["path"])):
+            for row in [original, *(copy_row(original, p) for p in copies[original.path])]:
+                write_row(self.shard, row)
+                for k, v in asdict(row).items():
+                    columns[k].append(v)
+        # what the engine's caches saved on this batch, for the driver's summary
+        stats = self.engine.stats()
+        now = {"encoder_cache_hits": stats.encoder_cache_hits, "prefix_cached_tokens": sum(stats.prefix_cache_hits)}
+        for k in COUNTERS:
+            columns[k] = [now[k] - self.counted[k]] + [0] * (len(columns["path"]) - 1)
+        self.counted = now
         return columns
 
 
 def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt: str, video_prompt: str, params,
-               settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary) -> Iterator[Row]:
-    """Rows as on one machine; `known`: originals captioned by an earlier run, by mm_hash."""
+               settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary,
+               out: Path) -> Iterator[Row]:
+    """Yields every row once it is written to a shard (for the progress bar and the
+    summary). `known`: originals captioned by an earlier run, by mm_hash."""
     import ray
 
     from vlmserve.multimodal.processor import normalize_settings
@@ -62,42 +86,49 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt
             ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=address, log_to_driver=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
+    ray.data.DataContext.get_current().enable_progress_bars = False
     if not paths:
         return
-    hashed = ray.data.from_items([{"path": p} for p in paths]).map(_hash_file, fn_kwargs={"settings": settings})
+    shards = shard_dir(out)
+    shards.mkdir(parents=True, exist_ok=True)
+    hashed = ray.data.from_items([{"path": p} for p in paths]).map(
+        _hash_file, fn_kwargs={"engine_args": engine_args, "settings": settings})
     originals: dict[str, str] = {}
     copies: dict[str, list[str]] = {}
-    todo: list[str] = []
-    for row in hashed.iter_rows():
-        if row["error"]:
-            yield Row(row["path"], error=row["error"])
-            continue
-        if row["mm_hash"] in known:
-            yield copy_row(known[row["mm_hash"]], row["path"])
-            continue
-        original = originals.setdefault(row["mm_hash"], row["path"])
-        if original == row["path"]:
-            todo.append(row["path"])
-        else:
-            copies.setdefault(original, []).append(row["path"])
-    if not todo:
+    with open(shards / "part-driver.jsonl", "a") as own:
+        for item in hashed.iter_rows():
+            if item["error"]:
+                row = Row(item["path"], error=item["error"])
+            elif item["mm_hash"] in known:
+                row = copy_row(known[item["mm_hash"]], item["path"])
+            else:
+                original = originals.setdefault(item["mm_hash"], item["path"])
+                if original != item["path"]:
+                    copies[original].append(item["path"])
+                else:
+                    copies[original] = []
+                continue
+            write_row(own, row)
+            yield row
+    if not copies:
         return
-    batch_size = max(1, min(4 * concurrency, -(-len(todo) // workers)))
-    captions = ray.data.from_items([{"path": p} for p in todo]).map_batches(
+    batch_size = max(1, min(4 * concurrency, -(-len(copies) // workers)))
+    captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies.items()]).map_batches(
         CaptionActor,
-        fn_constructor_args=(engine_args, prompt, video_prompt, params, settings, concurrency),
+        fn_constructor_args=(engine_args, prompt, video_prompt, params, settings, concurrency, str(shards)),
         batch_size=batch_size,
         concurrency=workers,
         num_cpus=1,
     )
+    counters = {k: 0 for k in COUNTERS}
     for item in captions.iter_rows():
         fields = dict(item)
+        for k in COUNTERS:
+            counters[k] += int(fields.pop(k))
         for k in ("prompt_tokens", "output_tokens"):
-            fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints for JSON
+            fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints
         row = Row(**fields)
-        summary.captioned += row.error is None
+        summary.captioned += row.error is None and row.duplicate_of is None
         yield row
-        for path in copies.get(row.path, []):
-            yield copy_row(row, path)
+    summary.extra["encoder cache hits"] = counters["encoder_cache_hits"]
+    summary.extra["prefix-cached tokens"] = counters["prefix_cached_tokens"]
