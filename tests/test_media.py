@@ -4,6 +4,7 @@ and parity with transformers' own processors."""
 import http.server
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict = {}
 
     def do_GET(self):
+        if self.path == "/drip.png":  # a byte every 50 ms: no single read is slow, the whole is
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:  # the client gave up
+                pass
+            return
         status, headers, body = self.routes.get(self.path, (404, {}, b""))
         self.send_response(status)
         for k, v in headers.items():
@@ -162,6 +175,15 @@ def test_http_fetching_rules(http_server):
         loader.read(f"{base}/missing.png", "image")
     with pytest.raises(MediaError, match="not in the allowed media domains"):
         loader.read("http://example.com/pic.png", "image")
+
+
+def test_the_fetch_timeout_bounds_the_whole_fetch(http_server):
+    base, _ = http_server
+    loader = MediaLoader(MediaLimits(allowed_media_domains=["127.0.0.1"], fetch_timeout=0.5))
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="took longer than the 0.5 s timeout"):
+        loader.read(f"{base}/drip.png", "image")
+    assert time.monotonic() - start < 2  # not the 50 s the server would take
 
 
 def test_local_files_only_under_the_allowed_folder(processor, tmp_path):

@@ -13,6 +13,7 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -238,12 +239,25 @@ class MediaLoader:
                 raise MediaError(f"fetching {url} refused: http(s) media is not enabled (--allowed-media-domains)")
             raise MediaError(f"fetching {url} refused: host {host!r} is not in the allowed media domains")
         opener = urllib.request.build_opener(_SameHostRedirects(host))
+        timeout = self.limits.fetch_timeout
+        # the timeout bounds the whole fetch, not each read: a server that sends a byte
+        # now and then must not hold a request (and a processing thread) for ever
+        deadline = time.monotonic() + timeout
         try:
-            with opener.open(url, timeout=self.limits.fetch_timeout) as resp:
+            with opener.open(url, timeout=timeout) as resp:
                 declared = resp.headers.get("Content-Length")
                 if declared and declared.isdigit() and int(declared) > max_bytes:
                     raise MediaError(f"{url} is {declared} bytes, over the {max_bytes}-byte limit")
-                data = resp.read(max_bytes + 1)
+                chunks, size = [], 0
+                while size <= max_bytes:
+                    if time.monotonic() > deadline:
+                        raise MediaError(f"fetching {url} took longer than the {timeout:g} s timeout")
+                    chunk = resp.read1(min(1 << 16, max_bytes + 1 - size))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                data = b"".join(chunks)
         except MediaError:
             raise
         except urllib.error.HTTPError as e:
