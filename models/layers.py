@@ -102,15 +102,15 @@ def mrope_cos_sin(
 
 
 def mrope_positions(
-    token_ids: list[int], features, spatial_merge_size: int, video_time_scale: float = 1.0
+    token_ids: list[int], features, spatial_merge_size: int, video_time_scale: float | None = 1.0
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions [3, len(token_ids)] and the delta that continues them in decode,
     as transformers' get_rope_index computes them.
 
     Text advances all three axes by one per token. A media item at position p gets
     (p + t * interval, p + row, p + col) over its merged grid — interval is 1 for images
-    and video_time_scale * seconds-per-grid-step for videos — and the text after it
-    resumes at p + max(rows, cols).
+    and video_time_scale * seconds-per-grid-step for videos (1 again when the scale is
+    None: Qwen2-VL counts grid steps) — and the text after it resumes at p + max(rows, cols).
     """
     n = len(token_ids)
     pos = torch.empty(3, n, dtype=torch.long)
@@ -121,7 +121,7 @@ def mrope_positions(
         t, h, w = (int(x) for x in f.data["grid_thw"])
         rows, cols = h // spatial_merge_size, w // spatial_merge_size
         interval: float | torch.Tensor = 1
-        if f.modality == "video" and "second_per_grid_t" in f.data:
+        if f.modality == "video" and video_time_scale is not None and "second_per_grid_t" in f.data:
             # fp32, as transformers computes it, so the truncation below agrees
             interval = video_time_scale * torch.tensor(f.data["second_per_grid_t"], dtype=torch.float32)
         tpos = (torch.arange(t) * interval).long() + cur

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
+from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5
 
 torch.set_num_threads(2)
 
@@ -88,6 +88,17 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_qwen25(qwen25_path):
     return HFReference(qwen25_path)
+
+
+@pytest.fixture(scope="session")
+def qwen2vl_path(tmp_path_factory):
+    """Tiny Qwen2-VL: 3 full-attention layers, vision depth 2 (LayerNorm, GELU MLP)."""
+    return str(build_qwen2_vl(tmp_path_factory.mktemp("qwen2vl")))
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2vl(qwen2vl_path):
+    return HFReference(qwen2vl_path)
 
 
 @pytest.fixture(scope="session")

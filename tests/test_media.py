@@ -262,10 +262,9 @@ def test_more_images_than_the_limit_is_refused(llm):
     assert llm.chat(_chat(parts[0]), SamplingParams(max_tokens=2))[0].finished
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen25", "qwen2vl", "qwen35"])
 def test_greedy_output_with_a_video_equals_transformers(family, request, tmp_path):
-    path = request.getfixturevalue("qwen25_path" if family == "qwen2_5_vl" else "qwen35_path")
-    hf = request.getfixturevalue("hf_qwen25" if family == "qwen2_5_vl" else "hf_qwen35")
+    path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
     video = tmp_path / "clip.mp4"
     video.write_bytes(video_bytes("mp4", frames=16, fps=8, size=(96, 64)))
     llm = LLM(path, num_kv_blocks=256, allowed_local_media_path=str(tmp_path))

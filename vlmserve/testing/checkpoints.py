@@ -102,16 +102,96 @@ def save_generation_config(path: Path, tokenizer, **extra) -> None:
                      **extra).save_pretrained(str(path))
 
 
-def save_processor_and_tokenizer(path: Path, tokenizer, image_kwargs: dict[str, Any]) -> None:
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+def save_processor_and_tokenizer(path: Path, tokenizer, image_kwargs: dict[str, Any], family: str = "qwen2_5_vl") -> None:
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    processor = Qwen2_5_VLProcessor(
+    processor_cls = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(**image_kwargs),
         video_processor=Qwen2VLVideoProcessor(**image_kwargs),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(path))
+
+
+def qwen2_text_config(vocab_size: int, ids: dict[str, int], hidden_size: int, intermediate_size: int,
+                      num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None,
+                      max_window_layers: int, max_position_embeddings: int, tie_word_embeddings: bool) -> dict:
+    """The language model of Qwen2-VL and Qwen2.5-VL (the same one)."""
+    head_dim = hidden_size // num_heads
+    # M-RoPE sections over head_dim/2 frequencies, in Qwen's 1:1.5:1.5 proportion
+    quarter = head_dim // 2 // 4
+    mrope_section = [quarter, (head_dim // 2 - quarter) // 2, head_dim // 2 - quarter - (head_dim // 2 - quarter) // 2]
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window or 4096,
+        max_window_layers=max_window_layers,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0},
+        eos_token_id=ids["<|im_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def build_qwen2_vl(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vision_embed: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 2,
+    max_pixels: int = 28 * 28 * 64,
+    min_pixels: int = 28 * 28 * 4,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """A tiny Qwen2-VL (full attention in every layer, as the released checkpoints)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(None, vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=qwen2_text_config(len(tokenizer), ids, hidden_size, intermediate_size, num_layers, num_heads,
+                                      num_kv_heads, None, num_layers, 4096, False),
+        vision_config=dict(
+            depth=vision_depth,
+            embed_dim=vision_embed,
+            hidden_size=hidden_size,  # the merger's output: the language model's width
+            mlp_ratio=2,
+            num_heads=vision_heads,
+            hidden_act="quick_gelu",
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    randomize_weights(model, seed)
+    model.save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
+    save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels}, "qwen2_vl")
+    return path
 
 
 def build_qwen2_5_vl(
@@ -142,28 +222,10 @@ def build_qwen2_5_vl(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(corpus, vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    head_dim = hidden_size // num_heads
-    # M-RoPE sections over head_dim/2 frequencies, in Qwen's 1:1.5:1.5 proportion
-    quarter = head_dim // 2 // 4
-    mrope_section = [quarter, (head_dim // 2 - quarter) // 2, head_dim // 2 - quarter - (head_dim // 2 - quarter) // 2]
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            use_sliding_window=sliding_window is not None,
-            sliding_window=sliding_window or 4096,
-            max_window_layers=max_window_layers,
-            max_position_embeddings=max_position_embeddings,
-            rope_parameters={"rope_type": "default", "mrope_section": mrope_section, "rope_theta": 10000.0},
-            eos_token_id=ids["<|im_end|>"],
-            bos_token_id=ids["<|endoftext|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            tie_word_embeddings=tie_word_embeddings,
-        ),
+        text_config=qwen2_text_config(len(tokenizer), ids, hidden_size, intermediate_size, num_layers, num_heads,
+                                      num_kv_heads, sliding_window, max_window_layers, max_position_embeddings,
+                                      tie_word_embeddings),
         vision_config=dict(
             depth=vision_depth,
             hidden_size=vision_hidden,

@@ -1,0 +1,84 @@
+"""Qwen2-VL: the language model of Qwen2.5-VL (M-RoPE, q/k/v bias) under a plainer vision
+tower — LayerNorm, a GELU MLP (fc1/fc2), attention over each whole frame (no windows) —
+and M-RoPE that counts a video's time axis in grid steps, not seconds.
+
+Module names follow the HF checkpoint (`model.visual.*`, `model.language_model.*`,
+`lm_head`), except that q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlmserve.models.layers import ACTIVATIONS, Linear, mrope_positions, rope_inv_freq
+from vlmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, VisionAttention, vision_rotary_positions
+from vlmserve.multimodal.inputs import MultiModalFeature
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = Linear(dim, hidden)
+        self.fc2 = Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
+        self.mlp = VisionMLP(cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio), cfg.hidden_act)
+
+    def forward(self, x, cos, sin, seq_lens):
+        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
+        super().__init__()
+        self.hidden = context_dim * merge * merge
+        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
+        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
+
+    def forward(self, x):
+        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.merge = cfg.spatial_merge_size
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        # a Conv3d whose kernel equals its stride is a matmul over flattened patches
+        self.patch_embed = Linear(patch_dim, cfg.embed_dim, bias=False)
+        theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.embed_dim // cfg.num_heads // 2, theta), persistent=False)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        # the vision config's hidden_size is the language model's width: the merger's output
+        self.merger = PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
+        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
+        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)  # [n, d/2]: rows', then cols'
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, cos, sin, frame_lens)
+        return self.merger(x)
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    vision_cls = VisionTransformer
+
+    @staticmethod
+    def mrope_positions(config, token_ids: list[int], features: list[MultiModalFeature]) -> tuple[torch.Tensor, int]:
+        return mrope_positions(token_ids, features, config.vision_config.spatial_merge_size, video_time_scale=None)
