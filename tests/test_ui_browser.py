@@ -7,11 +7,15 @@ import base64
 import json
 import re
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from PIL import Image, ImageDraw
+from PIL.PngImagePlugin import PngInfo
 
 from test_openai_server import Server, free_port
 from vlmserve.testing.checkpoints import build_qwen2_5_vl
@@ -22,6 +26,8 @@ SAMPLES = REPO / "samples"
 SHOTS = REPO / "artifacts" / "ui"
 CHROMIUM = "/usr/bin/chromium"
 SEED_TEST_TEMPERATURE = 2.0  # high enough that the shipped model's answers depend on the seed
+MAX_IMAGE_PIXELS = 100_000  # the ui fixture's --max-image-pixels: above every sample (288x288 at most)
+THUMBNAIL_PX = 9 * 16  # ui/app.py CSS: pictures and clips in the transcript at most 9rem high
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +49,8 @@ def browser():
 
 @pytest.fixture(scope="module")
 def ui():
-    s = Server(None, "--api-key", "ui-test-key", command="ui")  # the shipped model
+    s = Server(None, "--api-key", "ui-test-key", "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+               command="ui")  # the shipped model
     yield s
     s.stop()
 
@@ -53,6 +60,16 @@ def expected(file: str, question: str) -> str:
         if item["file"] == file and item["question"] == question:
             return item["answer"]
     raise KeyError((file, question))
+
+
+def fresh_copy(folder: Path, name: str) -> str:
+    """A sample's pixels (so its answers) in bytes no other test sent: a PNG with a unique
+    text chunk has an mm_hash of its own, so no cache of the module's server holds it."""
+    info = PngInfo()
+    info.add_text("nonce", uuid.uuid4().hex)
+    path = folder / f"{Path(name).stem}-{uuid.uuid4().hex[:8]}.png"
+    Image.open(SAMPLES / name).save(path, pnginfo=info)
+    return str(path)
 
 
 class Page:
@@ -65,7 +82,7 @@ class Page:
         page = self.page
         if files:
             page.set_input_files("#input input[type=file]", list(files))
-            page.wait_for_timeout(500)
+            self.wait_uploaded(len(files))
         page.fill("#input textarea", question)
         before = page.locator("#chat .message").count()
         page.keyboard.press("Enter")
@@ -87,6 +104,42 @@ class Page:
             time.sleep(0.2)
         raise AssertionError("no answer in time")
 
+    def wait_uploaded(self, n: int) -> None:
+        """Until the input shows n files (a thumbnail appears once the upload is done)."""
+        thumbnails = self.page.locator("#input [aria-label='File thumbnail']")
+        deadline = time.time() + 20
+        while thumbnails.count() < n:
+            assert time.time() < deadline, f"{thumbnails.count()} of {n} files uploaded"
+            time.sleep(0.1)
+
+    def wait_stats(self, pattern: str, timeout: float = 60) -> str:
+        """Until the stats line matches (an answer that does not add a message, as
+        Regenerate's, is done when its own stats appear), then until the answer is done."""
+        deadline = time.time() + timeout
+        while not re.search(pattern, self.stats()):
+            assert time.time() < deadline, f"stats never matched {pattern!r}: {self.stats()!r}"
+            time.sleep(0.1)
+        self.wait_done(0, deadline - time.time())
+        return self.stats()
+
+    def answers(self) -> int:
+        """Assistant messages in the transcript (gradio shows consecutive ones in one row)."""
+        return self.page.locator("#chat [data-testid='bot']").count()
+
+    def prompt_tokens(self) -> int:
+        return int(re.search(r"prompt (\d+) tokens", self.stats()).group(1))
+
+    def paste(self, path: str, mime: str) -> None:
+        """A real paste event on the textarea, its clipboard holding the file (what the
+        browser fires for Ctrl+V after copying a picture)."""
+        self.page.evaluate("""([data, name, type]) => {
+            const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+            const clipboard = new DataTransfer();
+            clipboard.items.add(new File([bytes], name, {type}));
+            document.querySelector("#input textarea").dispatchEvent(
+                new ClipboardEvent("paste", {clipboardData: clipboard, bubbles: true, cancelable: true}));
+        }""", [base64.b64encode(Path(path).read_bytes()).decode(), Path(path).name, mime])
+
     def last_answer(self) -> str:
         bots = self.page.locator("#chat .message.bot, #chat [data-testid='bot']")
         return bots.last.inner_text().strip() if bots.count() else ""
@@ -101,8 +154,18 @@ class Page:
             self.page.keyboard.press("Tab")
             time.sleep(0.2)
 
+    def set_number(self, label: str, value: str) -> None:
+        box = self.page.get_by_label(label)
+        deadline = time.time() + 10
+        while box.input_value() != value:  # as for sliders: typing into an opening accordion can be lost
+            assert time.time() < deadline, f"{label} does not take {value}"
+            box.fill(value)
+            self.page.keyboard.press("Tab")
+            time.sleep(0.2)
+
     def stats(self) -> str:
-        return self.page.inner_text("#stats").strip()
+        # the markdown only: while a request runs, #stats also shows gradio's progress timer
+        return self.page.inner_text("#stats [data-testid='markdown']").strip()
 
     def shot(self, name: str) -> None:
         self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
@@ -169,9 +232,12 @@ def test_same_text_through_the_ui_and_the_api_for_the_same_seed(browser, ui):
 def test_the_ui_against_another_server_and_a_server_that_is_down(browser, ui):
     """--api-base: the UI alone, talking to a running server (here the in-process one of
     the other UI), then to an address where nothing answers."""
-    remote = Server(None, "--api-base", ui.base + "/v1", "--api-key", "ui-test-key", command="ui")
-    down = Server(None, "--api-base", f"http://127.0.0.1:{free_port()}/v1", command="ui")
+    with ThreadPoolExecutor(2) as pool:  # both start at once: one wait for the imports, not two
+        starts = [pool.submit(Server, None, "--api-base", ui.base + "/v1", "--api-key", "ui-test-key", command="ui"),
+                  pool.submit(Server, None, "--api-base", f"http://127.0.0.1:{free_port()}/v1", command="ui")]
+    started = [f.result() for f in starts if f.exception() is None]
     try:
+        remote, down = [f.result() for f in starts]  # raises if one did not come up
         page = Page(browser, remote.base)
         question = "How many shapes are there?"
         answer = page.ask(question, [str(SAMPLES / "shapes2.png")])
@@ -181,8 +247,115 @@ def test_the_ui_against_another_server_and_a_server_that_is_down(browser, ui):
         page.shot("7-server-down")
         assert error.startswith("⚠️") and "not reachable" in error
     finally:
-        remote.stop()
-        down.stop()
+        for server in started:
+            server.stop()
+
+
+def test_two_pictures_and_a_clip_in_one_turn(browser, ui, tmp_path):
+    page = Page(browser, ui.base)
+    question = "Which way does the green square move?"
+    files = [fresh_copy(tmp_path, "shapes1.png"), fresh_copy(tmp_path, "shapes2.png"), str(SAMPLES / "moving.mp4")]
+    answer = page.ask(question, files)
+    page.shot("8-pictures-and-a-clip")
+    assert normalize_answer(answer) == expected("moving.mp4", question)
+    pictures, clips = page.page.locator("#chat img"), page.page.locator("#chat video")
+    assert pictures.count() == 2 and clips.count() == 1
+    # shown (loaded and decoded: the chat loads them lazily), as thumbnails
+    page.page.wait_for_function("() => [...document.querySelectorAll('#chat img')].every("
+                                "(img) => img.complete && img.naturalWidth > 0)", timeout=10000)
+    for pic in pictures.all():
+        assert 0 < pic.bounding_box()["height"] <= THUMBNAIL_PX
+    assert clips.first.evaluate("(v) => v.currentSrc").endswith(".mp4")
+    assert 0 < clips.first.bounding_box()["height"] <= THUMBNAIL_PX
+    # the server counts encoder inputs: the clip's 4 frames are 2 groups of 2, each a
+    # feature of its own (Qwen3.5 puts a timestamp before each), so 2 + 2 ran, none cached
+    assert page.stats().endswith("media: 4 encoder ran"), page.stats()
+
+
+def test_a_picture_from_the_encoder_cache(browser, ui, tmp_path):
+    """A, then (after Clear) B and A: A's place in the prompt differs, so the prefix cache
+    has none of it, but its encoder output is still cached and the encoder runs for B only."""
+    page = Page(browser, ui.base)
+    a, b = fresh_copy(tmp_path, "shapes1.png"), fresh_copy(tmp_path, "shapes2.png")
+    question = "Describe the image."
+    assert normalize_answer(page.ask(question, [a])) == normalize_answer(expected("shapes1.png", question))
+    assert page.stats().endswith("media: 1 encoder ran"), page.stats()
+    page.page.click("#clear")
+    page.page.wait_for_timeout(300)
+    answer = page.ask("How many shapes are there?", [b, a])
+    page.shot("9-encoder-cache")
+    assert answer and not answer.startswith("⚠️")
+    stats = page.stats()
+    assert "0 from the prefix cache" in stats, stats
+    assert stats.endswith("media: 1 encoder ran, 1 from the encoder cache"), stats
+
+
+def test_regenerate_replaces_the_answer(browser, ui, tmp_path):
+    page = Page(browser, ui.base)
+    question = "Describe the image."
+    answer = page.ask(question, [fresh_copy(tmp_path, "shapes3.jpg")])
+    assert normalize_answer(answer) == normalize_answer(expected("shapes3.jpg", question))
+    assert "0 from the prefix cache" in page.stats() and page.answers() == 1
+    page.page.click("#regenerate")
+    stats = page.wait_stats(r"in the prefix cache")  # the first answer's stats had none
+    page.shot("10-regenerated")
+    assert page.answers() == 1  # the new answer in place of the old, not after it
+    assert page.last_answer() == answer  # temperature 0
+    assert int(re.search(r"(\d+) from the prefix cache", stats).group(1)) > 0 and "encoder ran" not in stats
+
+
+def test_max_pixels_makes_the_prompt_shorter(browser, ui, tmp_path):
+    picture = fresh_copy(tmp_path, "shapes4.png")
+    page = Page(browser, ui.base)
+    page.ask("Describe the image.", [picture])
+    full = page.prompt_tokens()
+    page.page.click("#clear")
+    page.page.click("text=Settings")
+    page.set_number("max pixels per image (0: the model's)", "3136")
+    page.ask("Describe the image.", [picture])
+    page.shot("11-max-pixels")
+    # 200x200 at the model's bounds is 192x192: 3x3 tokens of 64x64 pixels (16 px patches
+    # merged 4x4); under 3136 pixels (56x56) it shrinks to one token
+    assert page.prompt_tokens() == full - 8
+    assert page.stats().endswith("media: 1 encoder ran")  # another size: another encoder input
+
+
+def test_a_picture_over_the_pixel_limit_shows_an_error(browser, ui, tmp_path):
+    big = tmp_path / "big.png"
+    picture = Image.new("RGB", (400, 400), "white")
+    ImageDraw.Draw(picture).ellipse((100, 100, 300, 300), fill="blue")
+    picture.save(big)
+    page = Page(browser, ui.base)
+    error = page.ask("Describe the image.", [str(big)])
+    page.shot("12-too-large")
+    assert error.startswith("⚠️") and f"400x400 pixels, over the {MAX_IMAGE_PIXELS}-pixel limit" in error
+    question = "How many shapes are there?"
+    assert normalize_answer(page.ask(question, [str(SAMPLES / "shapes1.png")])) == expected("shapes1.png", question)
+
+
+def test_a_pasted_picture(browser, ui):
+    page = Page(browser, ui.base)
+    page.paste(str(SAMPLES / "shapes4.png"), "image/png")
+    page.wait_uploaded(1)
+    question = "What color is the circle?"
+    answer = page.ask(question)
+    page.shot("13-pasted")
+    assert page.page.locator("#chat img").count() == 1
+    assert normalize_answer(answer) == expected("shapes4.png", question)
+
+
+def test_a_sample_is_a_clickable_example(browser, ui):
+    page = Page(browser, ui.base)
+    question = "Where is the green triangle?"  # one sample has it: the example to click is unique
+    page.page.get_by_text(question).click()
+    page.wait_uploaded(1)
+    assert page.page.input_value("#input textarea") == question
+    before = page.page.locator("#chat .message").count()
+    page.page.focus("#input textarea")
+    page.page.keyboard.press("Enter")
+    page.wait_done(before)
+    page.shot("14-example")
+    assert normalize_answer(page.last_answer()) == expected("shapes2.png", question)
 
 
 def test_stop_really_aborts_a_long_answer(browser, tmp_path):

@@ -152,7 +152,7 @@ class ChatApp:
             chatbot = gr.Chatbot(elem_id="chat", height=460)
             stats = gr.Markdown(elem_id="stats")
             box = gr.MultimodalTextbox(elem_id="input", file_count="multiple", file_types=["image", "video"],
-                                       placeholder="Ask about a picture or a clip (drop or paste files)…",
+                                       placeholder="Ask about a picture or a clip (drop files, or paste a picture)…",
                                        show_label=False, sources=["upload"])
             with gr.Row():
                 stop = gr.Button("Stop", elem_id="stop", variant="stop")
@@ -193,6 +193,9 @@ class ChatApp:
             clear.click(lambda: ([], ""), None, [chatbot, stats], queue=False, cancels=[submit, regen])
         return demo
 
+
+# Pictures and clips in the transcript as thumbnails, not at the chat's full width.
+CSS = "#chat .image-frame img, #chat video { max-height: 9rem; width: auto; max-width: 100%; }"
 
 # Browsers fire no change event when the file picked is the one picked last time, so the
 # same picture could not be sent again (after Clear, say): empty the input after each pick.

@@ -8,7 +8,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-REPO_SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+def shipped_samples() -> Path:
+    """The sample pictures installed with the package (the repo's samples/ folder)."""
+    import vlmserve.samples
+
+    return Path(vlmserve.samples.__file__).resolve().parent
 
 
 def run_ui(args) -> None:
@@ -16,9 +21,10 @@ def run_ui(args) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from vlmserve.ui.app import HEAD, ChatApp, sample_examples
+    from vlmserve.ui.app import CSS, HEAD, ChatApp, sample_examples
 
-    samples = sample_examples(Path(args.samples)) if args.samples else sample_examples(REPO_SAMPLES)
+    folder = Path(args.samples) if args.samples else shipped_samples()
+    samples = sample_examples(folder)
     if args.api_base:
         app = FastAPI(title="vlmserve ui")
         app.get("/health")(lambda: {"status": "ok"})  # the UI itself is up (the server behind may not be)
@@ -37,5 +43,7 @@ def run_ui(args) -> None:
         own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         chat = ChatApp(f"http://{own}:{args.port}/v1", args.api_key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
-    app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, allowed_paths=[str(p) for p in {REPO_SAMPLES} if p.exists()])
+    # gradio serves files of the examples only from folders it is told about
+    allowed = [str(folder)] if samples else []
+    app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, css=CSS, allowed_paths=allowed)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
