@@ -113,6 +113,20 @@ def test_per_request_resolution_and_detail(processor):
     assert len({full.mm_hash, small.mm_hash, low.mm_hash}) == 3 and auto.mm_hash == full.mm_hash
 
 
+def test_low_detail_never_raises_the_models_own_cap():
+    """The shipped model caps pictures below detail=low's budget: "low" must not enlarge them."""
+    from transformers import AutoConfig
+
+    from vlmserve.engine.llm_engine import resolve_model_path
+
+    path = resolve_model_path(None)
+    shipped = MultiModalProcessor(path, AutoConfig.from_pretrained(path), MediaLoader())
+    assert shipped.image_processor.size["longest_edge"] < LOW_DETAIL_MAX_PIXELS
+    data = image_bytes(picture(640, 480, seed=5))
+    auto, low = (shipped.process(data, "image", {"detail": d}) for d in ("auto", "low"))
+    assert np.prod(low.data["grid_thw"]) == np.prod(auto.data["grid_thw"])
+
+
 # -- sources ---------------------------------------------------------------------------------
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict = {}
@@ -319,3 +333,22 @@ def test_a_long_clip_keeps_only_the_frames_the_model_samples(qwen35_path):
     assert full.kept is None and len(full.frames) == 90
     assert np.array_equal(video.frames, full.frames[video.kept])
     assert item.data["grid_thw"][0] == len(video.kept) // 2
+
+
+def test_a_video_counts_once_in_the_media_stats(qwen35_path, tmp_path):
+    """Qwen3.5 encodes a clip in frame groups (one feature each); the usage counts files."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(video_bytes("mp4", frames=16, fps=8, size=(96, 64)))
+    llm = LLM(qwen35_path, num_kv_blocks=256, allowed_local_media_path=str(tmp_path))
+    messages = [{"role": "user", "content": [{"type": "image", "image": picture(64, 48, seed=3)},
+                                             {"type": "video_url", "video_url": {"url": str(video)}},
+                                             {"type": "text", "text": "Describe the image."}]}]
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    scheduler = llm.engine.engine_core.scheduler
+    requests, add = [], scheduler.add_request
+    scheduler.add_request = lambda r: (requests.append(r), add(r))[1]
+    first = llm.chat(messages, greedy)[0]
+    assert [f.piece for f in requests[0].mm_features] == [0, 0, 1]  # the picture, the clip in 2 groups
+    assert first.media_stats == {"encoded": 2, "encoder_cache": 0, "prefix_cache": 0}
+    again = llm.chat(messages, greedy)[0]
+    assert again.media_stats == {"encoded": 0, "encoder_cache": 0, "prefix_cache": 2}

@@ -153,16 +153,21 @@ class Request:
         return bool(self.mm_features)
 
     def media_stats(self) -> dict[str, int]:
-        """How many media items were encoded, came from the encoder cache, or were
-        skipped because the prefix cache already held their KV."""
-        stats = {"encoded": 0, "encoder_cache": 0, "prefix_cache": 0}
+        """How many media items (a video once, however many frame groups it was encoded
+        in) were encoded, came from the encoder cache, or were skipped because the prefix
+        cache already held their KV. An item counts where its costliest piece came from."""
+        order = ["encoded", "encoder_cache", "prefix_cache"]
+        items: list[str | None] = []
         for i, f in enumerate(self.mm_features):
             source = self.media_sources.get(i)
             if source is None and f.end <= max(self.num_cached_tokens, 0):
                 source = "prefix_cache"
-            if source is not None:
-                stats[source] += 1
-        return stats
+            if f.piece and items:
+                known = [s for s in (items[-1], source) if s is not None]
+                items[-1] = min(known, key=order.index) if known else None
+            else:
+                items.append(source)
+        return {k: sum(s == k for s in items) for k in order}
 
     # -- status ---------------------------------------------------------------
     def is_finished(self) -> bool:

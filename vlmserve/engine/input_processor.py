@@ -252,7 +252,7 @@ class InputProcessor:
             frames = length * merge_unit // (h * w)
             rows = slice(start, start + length * rows_per_token)
             data = dict(item.data, pixel_values=item.data["pixel_values"][rows], grid_thw=(frames, h, w))
-            features.append(MultiModalFeature(item.modality, f"{item.mm_hash}.{k}", offset, length, data))
+            features.append(MultiModalFeature(item.modality, f"{item.mm_hash}.{k}", offset, length, data, piece=k))
             start += length * rows_per_token
         return features
 

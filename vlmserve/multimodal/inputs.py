@@ -20,6 +20,7 @@ class MultiModalFeature:
     offset: int
     length: int
     data: dict[str, Any] = field(repr=False)
+    piece: int = 0  # a video split into frame groups (Qwen3.5): which group; 0 starts an item
 
     @property
     def end(self) -> int:

@@ -84,9 +84,6 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
     detail = settings.pop("detail", None)
     if detail not in (None, "auto", "high", "low"):
         raise ValueError(f"detail must be 'auto', 'high' or 'low', got {detail!r}")
-    if detail == "low":
-        cap = settings.get("max_pixels")
-        settings["max_pixels"] = LOW_DETAIL_MAX_PIXELS if cap is None else min(int(cap), LOW_DETAIL_MAX_PIXELS)
     unknown = set(settings) - _SETTINGS
     if unknown:
         raise ValueError(f"unsupported media processing setting(s) {sorted(unknown)}; supported: {sorted(_SETTINGS)}")
@@ -100,6 +97,8 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
         out[key] = number
     if "min_pixels" in out and "max_pixels" in out and out["min_pixels"] > out["max_pixels"]:
         raise ValueError(f"min_pixels ({out['min_pixels']}) is larger than max_pixels ({out['max_pixels']})")
+    if detail == "low":  # a cap under the model's own one, whatever that is: applied in _size_kwargs
+        out["detail"] = "low"
     return out
 
 
@@ -189,11 +188,14 @@ class MultiModalProcessor:
     @staticmethod
     def _size_kwargs(processor, settings: dict[str, Any]) -> dict[str, Any]:
         """Per-request pixel bounds, on top of the processor's own."""
-        if "min_pixels" not in settings and "max_pixels" not in settings:
+        if not {"min_pixels", "max_pixels", "detail"} & set(settings):
             return {}
         size = dict(processor.size)
         if "min_pixels" in settings:
             size["shortest_edge"] = settings["min_pixels"]
         if "max_pixels" in settings:
             size["longest_edge"] = settings["max_pixels"]
+        if settings.get("detail") == "low":  # never more pixels than without it
+            size["longest_edge"] = min(size["longest_edge"], LOW_DETAIL_MAX_PIXELS)
+            size["shortest_edge"] = min(size["shortest_edge"], size["longest_edge"])
         return {"size": size}
