@@ -312,6 +312,7 @@ def run_caption(args: argparse.Namespace) -> int:
 
         engine = LLMEngine(engine_args)
         captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
+        start = time.time()  # the summary's rate is the captioning's, the model loaded
         stop = {"now": False}
         previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
         try:
