@@ -1,0 +1,39 @@
+"""The benchmark scripts still run, on tiny workloads, and print what the README quotes
+(the timings themselves are not judged here)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def bench(name: str, *args: str, cache: Path) -> str:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "VLMSERVE_BENCH_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+CASES = {  # benchmark: tiny arguments, and what its last lines must say
+    "bench_throughput.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4"],
+                            r"ratio \(vlmserve / best transformers, median throughput\): [0-9.]+x"),
+    "bench_caption.py": (["--images", "4", "--repeats", "1", "--max-tokens", "4"], r"ratio: +[0-9.]+x +[0-9.]+x"),
+    "bench_startup.py": (["--runs", "1"], r"first answer"),
+    "bench_media.py": (["--images", "4", "--threads", "2"], r"images/s"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_benchmark_runs_and_prints_its_result(name, tmp_path_factory):
+    args, expected = CASES[name]
+    out = bench(name, *args, cache=tmp_path_factory.getbasetemp() / "bench-cache")
+    assert re.search(expected, out), out
