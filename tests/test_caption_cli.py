@@ -16,6 +16,7 @@ import pytest
 from conftest import make_image, png_bytes
 from media_files import video_bytes
 from vlmserve import LLM, SamplingParams
+from vlmserve.entrypoints.caption import Row, merge_shards, previous_rows, shard_dir
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,14 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
+def caption_cmd(model: str, *args: str, progress: bool = False) -> list[str]:
+    return [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, "--num-kv-blocks", "512",
+            *args, *([] if progress else ["--no-progress"])]
+
+
 def caption(model: str, *args: str, check: bool = False, progress: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, "--num-kv-blocks", "512",
-           *args, *([] if progress else ["--no-progress"])]
-    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=600)
+    return subprocess.run(caption_cmd(model, *args, progress=progress), capture_output=True, text=True, check=check,
+                          timeout=600)
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -77,9 +82,16 @@ def test_a_folder_with_copies_broken_files_and_a_video(qwen25_path, folder, tmp_
 
 
 def written_lines(out: Path) -> list[str]:
-    """The output's lines so far, and its shards' (the Ray path's workers write those)."""
-    files = [out, *sorted(out.with_name(out.name + ".shards").glob("*.jsonl"))]
-    return [line for f in files if f.exists() for line in f.read_text().splitlines()]
+    """The output's lines so far, and its shards' (the Ray path's workers write those).
+    The driver keeps its own copy of each worker's row: a path counts once."""
+    files = [out, *sorted(shard_dir(out).glob("*.jsonl"))]
+    lines, seen = [], set()
+    for line in (line for f in files if f.exists() for line in f.read_text().splitlines()):
+        path = json.loads(line)["path"] if line.endswith("}") else line
+        if path not in seen:
+            seen.add(path)
+            lines.append(line)
+    return lines
 
 
 KILL_SETTINGS = ["--batch-size", "2", "--max-tokens", "48", "--ignore-eos"]
@@ -88,22 +100,23 @@ KILL_SETTINGS = ["--batch-size", "2", "--max-tokens", "48", "--ignore-eos"]
 def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *extra: str) -> tuple[list[dict], str]:
     """Starts a run, sends `sig` once 15 of the 50 rows are written, resumes; returns the
     rows written before the kill and the resumed run's stderr."""
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", "--model", model, str(folder),
-           "--out", str(out), "--no-progress", "--num-kv-blocks", "512", *KILL_SETTINGS, *extra]
+    cmd = caption_cmd(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and len(written_lines(out)) < 15:
         time.sleep(0.05)
     proc.send_signal(sig)
     proc.wait(timeout=60)
-    time.sleep(1)  # a Ray worker may finish the row it was writing
     lines = written_lines(out)
+    if extra:  # the run exited: no worker writes any more (checked over a second)
+        time.sleep(1)
+        assert written_lines(out) == lines
     first = [json.loads(line) for line in lines if line.endswith("}")]  # SIGKILL may tear the last
     assert 15 <= len(first) < 50
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and all(line.endswith("}") for line in lines)
     result = caption(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra, "--resume")
-    assert not out.with_name(out.name + ".shards").exists()  # merged into the output
+    assert not shard_dir(out).exists()  # merged into the output
     rows = rows_of(out)  # every line whole: a torn one was cut off before appending
     paths = [r["path"] for r in rows]
     assert len(paths) == len(set(paths)) == 50  # each path exactly once
@@ -136,7 +149,8 @@ def test_globs_lists_prompt_and_max_pixels(qwen25_path, folder, tmp_path):
             "--max-tokens", "5", "--ignore-eos"]
     result = caption(qwen25_path, *args, "--out", str(out), check=True, progress=True)
     bar = result.stderr.replace("\r", "\n")  # tqdm redraws its line in place
-    assert re.search(r"5/5 \[[0-9:]+<[0-9:]+, +[0-9.]+ ?file/s", bar), bar  # done/total, elapsed<ETA, files/s
+    # done/total, elapsed<ETA, the rate (tqdm turns it to s/file under 1 file/s)
+    assert re.search(r"5/5 \[[0-9:]+<[0-9:]+, +[0-9.]+ ?(file/s|s/file)", bar), bar
     rows = {Path(r["path"]).name: r for r in rows_of(out)}
     assert sorted(rows) == ["img01.png", "img02.png", "img04.png", "img10.png", "img13.png"]
     assert all(r["output_tokens"] == 5 and r["finish_reason"] == "length" for r in rows.values())
@@ -181,3 +195,20 @@ def test_files_are_captioned_in_one_continuous_batch(qwen25_path, folder):
     rows = list(captioner.run(paths))
     assert len(rows) == 16 and all(r.output_tokens == 6 for r in rows if r.error is None)
     assert max(running) >= 6 and len(running) < 16 * 6  # steps are shared
+
+
+def test_merging_shards_keeps_each_path_once_and_can_run_again(tmp_path):
+    """What a crashed Ray run leaves: rows in the output, the same rows again in shards (the
+    driver's copy and a worker's), a torn last line; merged, every path is there once."""
+    out = tmp_path / "captions.jsonl"
+    row = lambda name, caption="a": json.dumps(Row(name, caption=caption).__dict__) + "\n"  # noqa: E731
+    out.write_text(row("done.png"))
+    shards = shard_dir(out)
+    shards.mkdir()
+    (shards / "part-driver.jsonl").write_text(row("a.png") + row("broken.png", None))
+    (shards / "part-host-1.jsonl").write_text(row("a.png") + row("b.png") + row("done.png") + '{"path": "c.p')
+    rows = previous_rows(out)  # what --resume does first
+    assert [r.path for r in rows] == ["done.png", "a.png", "broken.png", "b.png"] and not shards.exists()
+    merge_shards(out)  # nothing left to merge: a no-op
+    assert [r.path for r in previous_rows(out)] == ["done.png", "a.png", "broken.png", "b.png"]
+    assert out.read_text().endswith("\n")

@@ -132,6 +132,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict = {}
 
     def do_GET(self):
+        if self.path == "/drip-headers.png":  # headers a byte every 50 ms
+            try:
+                self.wfile.write(b"HTTP/1.0 200 OK\r\n")
+                for _ in range(1000):
+                    self.wfile.write(b"X")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:
+                pass
+            return
         if self.path == "/drip.png":  # a byte every 50 ms: no single read is slow, the whole is
             self.send_response(200)
             self.send_header("Content-Length", "1000")
@@ -194,10 +204,12 @@ def test_http_fetching_rules(http_server):
 def test_the_fetch_timeout_bounds_the_whole_fetch(http_server):
     base, _ = http_server
     loader = MediaLoader(MediaLimits(allowed_media_domains=["127.0.0.1"], fetch_timeout=0.5))
-    start = time.monotonic()
-    with pytest.raises(MediaError, match="took longer than the 0.5 s timeout"):
-        loader.read(f"{base}/drip.png", "image")
-    assert time.monotonic() - start < 2  # not the 50 s the server would take
+    for route in ("drip.png", "drip-headers.png"):  # the body, or the headers, trickle in
+        start = time.monotonic()
+        with pytest.raises(MediaError, match="took longer than the 0.5 s timeout"):
+            loader.read(f"{base}/{route}", "image")
+        assert time.monotonic() - start < 1.5  # not the 50 s the server would take
+    assert loader.read(f"{base}/pic.png", "image").content  # a quick fetch is not cut off
 
 
 def test_local_files_only_under_the_allowed_folder(processor, tmp_path):

@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 
 def run(code: str, cwd) -> str:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True).stdout
@@ -23,6 +25,7 @@ def test_subpackages_live_under_vlmserve(tmp_path):
     assert out.split() == ["[True,", "True,", "True,", "True]", "ok"]
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_samples_and_the_ui_finds_them(tmp_path):
     """Built from a copy of the sources (the build leaves nothing in the repo) and installed
     as a user would, not editable: the UI's examples come from inside the package."""

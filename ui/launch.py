@@ -43,7 +43,7 @@ def run_ui(args) -> None:
         own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         chat = ChatApp(f"http://{own}:{args.port}/v1", args.api_key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
-    # gradio serves files of the examples only from folders it is told about
-    allowed = [str(folder)] if samples else []
+    # gradio serves the examples' files only when told to: those files, not their whole folder
+    allowed = [path for path, _ in samples]
     app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, css=CSS, allowed_paths=allowed)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import logging
 import os
 import shutil
 import signal
@@ -22,12 +21,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.processor import normalize_settings
-
-logger = logging.getLogger(__name__)
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
@@ -131,7 +128,9 @@ def merge_shards(out: Path) -> None:
                     have.add(row.path)
                     write_row(f, row)
         os.fsync(f.fileno())
-    shutil.rmtree(shards)
+    # a file a worker still holds open on NFS may linger as .nfsXXXX: a later merge of it
+    # skips every row (their paths are in `out` now), so it is harmless
+    shutil.rmtree(shards, ignore_errors=True)
 
 
 def previous_rows(out: Path) -> list[Row]:
@@ -294,11 +293,14 @@ def run_caption(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     video_prompt = args.video_prompt or args.prompt
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    start = time.time()
+    args.out.touch()  # there is an output, if an empty one, even when nothing is left to do
     interrupted = False
     if args.ray:
+        import ray
+
         from vlmserve.entrypoints.caption_ray import run_on_ray
 
+        start = time.time()  # Ray's start-up and the workers' model loading included
         rows = run_on_ray(args.ray, args.ray_workers, todo, engine_args, args.prompt, video_prompt, params, settings,
                           args.batch_size, known, summary, args.out)
         summary.extra["workers"] = args.ray_workers
@@ -307,6 +309,7 @@ def run_caption(args: argparse.Namespace) -> int:
             merge_shards(args.out)
         except KeyboardInterrupt:  # the shards stay, for --resume
             interrupted = True
+            ray.shutdown()  # the job's actors stop too: none writes to a shard after this
     else:
         from vlmserve.engine.llm_engine import LLMEngine
 
@@ -342,12 +345,12 @@ def _until(rows: Iterator[Row], interrupted: dict) -> Iterator[Row]:
             return
 
 
-def write_row(f, row: Row) -> None:
+def write_row(f: TextIO, row: Row) -> None:
     f.write(json.dumps(asdict(row)) + "\n")
     f.flush()  # a crash or Ctrl-C loses nothing that was written
 
 
-def track(rows: Iterator[Row], summary: Summary, total: int, progress: bool, out=None) -> None:
+def track(rows: Iterator[Row], summary: Summary, total: int, progress: bool, out: TextIO | None = None) -> None:
     """Counts the rows into the summary and the progress bar (files, files/s, ETA), and
     writes them to `out` when given."""
     from tqdm import tqdm

@@ -3,28 +3,31 @@
 Two stages, as on one machine: every file is read and hashed (a map over the cluster),
 the driver picks one original per mm_hash, then an actor pool — one engine per actor —
 captions the originals with `map_batches`. Each actor appends its rows (an original's,
-then its copies') to an output shard of its own, flushed row by row, as the single
-machine writes its file; the driver's own rows (unreadable files, copies of originals an
-earlier run captioned) go to a shard of the driver's. At the end, the driver merges the
-shards into `--out`; a run that is interrupted leaves them, and `--resume` merges them
-first. Like the inputs, the output must be on a file system every worker sees.
+then its copies') to an output shard of its own, synced batch by batch; the driver
+writes every row it has — its own (unreadable files, copies of originals an earlier run
+captioned) and each one the actors send back — to a shard of its own, so a row is lost
+only if both copies are. At the end, the driver merges the shards into `--out`; a run
+that is interrupted leaves them, and `--resume` merges them first. Like the inputs, the
+output must be on a file system every worker sees.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vlmserve.engine.args import EngineArgs
 from vlmserve.entrypoints.caption import Row, Summary, copy_row, modality_of, shard_dir, write_row
 
 # per-batch engine counters an actor sends back with its rows (on the batch's first row)
 COUNTERS = ("encoder_cache_hits", "prefix_cached_tokens")
 
 
-def _hash_file(row: dict[str, Any], engine_args, settings: dict[str, Any]) -> dict[str, Any]:
+def _hash_file(row: dict[str, Any], engine_args: EngineArgs, settings: dict[str, Any]) -> dict[str, Any]:
     from vlmserve.multimodal.hashing import mm_hash
     from vlmserve.multimodal.media import MediaLoader
 
@@ -41,27 +44,33 @@ class CaptionActor:
     """One engine per actor; captions each batch of originals with continuous batching and
     appends the rows, the originals' and their copies', to this actor's shard."""
 
-    def __init__(self, engine_args, prompt: str, video_prompt: str, params, settings: dict[str, Any],
+    def __init__(self, engine_args: EngineArgs, prompt: str, video_prompt: str, params, settings: dict[str, Any],
                  concurrency: int, shards: str) -> None:
-        import os
         import socket
+        import uuid
 
         from vlmserve.engine.llm_engine import LLMEngine
         from vlmserve.entrypoints.caption import Captioner
 
         self.engine = LLMEngine(engine_args)
         self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency)
-        self.shard = open(Path(shards) / f"part-{socket.gethostname()}-{os.getpid()}.jsonl", "a")
+        # a name no restarted actor reuses: a torn last row stays at the end of its own file
+        self.shard = Path(shards) / f"part-{socket.gethostname()}-{uuid.uuid4().hex[:12]}.jsonl"
+        self.shard.parent.mkdir(parents=True, exist_ok=True)
         self.counted = {k: 0 for k in COUNTERS}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         copies = {p: json.loads(c) for p, c in zip(batch["path"], batch["copies"])}
         columns: dict[str, list] = {k: [] for k in [*asdict(Row("")), *COUNTERS]}
-        for original in self.captioner.run(list(batch["path"])):
-            for row in [original, *(copy_row(original, p) for p in copies[original.path])]:
-                write_row(self.shard, row)
-                for k, v in asdict(row).items():
-                    columns[k].append(v)
+        # opened and synced per batch: on a network file system, another host (the driver,
+        # merging) sees the rows only once the file is synced or closed
+        with open(self.shard, "a") as shard:
+            for original in self.captioner.run(list(batch["path"])):
+                for row in [original, *(copy_row(original, p) for p in copies[original.path])]:
+                    write_row(shard, row)
+                    for k, v in asdict(row).items():
+                        columns[k].append(v)
+            os.fsync(shard.fileno())
         # what the engine's caches saved on this batch, for the driver's summary
         stats = self.engine.stats()
         now = {"encoder_cache_hits": stats.encoder_cache_hits, "prefix_cached_tokens": sum(stats.prefix_cache_hits)}
@@ -71,8 +80,8 @@ class CaptionActor:
         return columns
 
 
-def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt: str, video_prompt: str, params,
-               settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary,
+def run_on_ray(address: str, workers: int, paths: list[str], engine_args: EngineArgs, prompt: str, video_prompt: str,
+               params, settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary,
                out: Path) -> Iterator[Row]:
     """Yields every row once it is written to a shard (for the progress bar and the
     summary). `known`: originals captioned by an earlier run, by mm_hash."""
@@ -80,6 +89,8 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt
 
     from vlmserve.multimodal.processor import normalize_settings
 
+    if not paths:
+        return
     settings = normalize_settings(settings)
     if not ray.is_initialized():
         if address == "local":
@@ -87,48 +98,46 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args, prompt
         else:
             ray.init(address=address, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    if not paths:
-        return
-    shards = shard_dir(out)
+    shards = shard_dir(out).resolve()  # the workers' working directories are not the driver's
     shards.mkdir(parents=True, exist_ok=True)
-    hashed = ray.data.from_items([{"path": p} for p in paths]).map(
-        _hash_file, fn_kwargs={"engine_args": engine_args, "settings": settings})
-    originals: dict[str, str] = {}
-    copies: dict[str, list[str]] = {}
     with open(shards / "part-driver.jsonl", "a") as own:
+        hashed = ray.data.from_items([{"path": p} for p in paths]).map(
+            _hash_file, fn_kwargs={"engine_args": engine_args, "settings": settings})
+        copies_of: dict[str, list[str]] = {}  # each original to caption (by path) -> its copies
+        by_hash: dict[str, str] = {}
         for item in hashed.iter_rows():
             if item["error"]:
                 row = Row(item["path"], error=item["error"])
             elif item["mm_hash"] in known:
                 row = copy_row(known[item["mm_hash"]], item["path"])
             else:
-                original = originals.setdefault(item["mm_hash"], item["path"])
-                if original != item["path"]:
-                    copies[original].append(item["path"])
-                else:
-                    copies[original] = []
+                original = by_hash.setdefault(item["mm_hash"], item["path"])
+                copies_of.setdefault(original, []).extend([item["path"]] if original != item["path"] else [])
                 continue
             write_row(own, row)
             yield row
-    if not copies:
-        return
-    batch_size = max(1, min(4 * concurrency, -(-len(copies) // workers)))
-    captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies.items()]).map_batches(
-        CaptionActor,
-        fn_constructor_args=(engine_args, prompt, video_prompt, params, settings, concurrency, str(shards)),
-        batch_size=batch_size,
-        concurrency=workers,
-        num_cpus=1,
-    )
-    counters = {k: 0 for k in COUNTERS}
-    for item in captions.iter_rows():
-        fields = dict(item)
-        for k in COUNTERS:
-            counters[k] += int(fields.pop(k))
-        for k in ("prompt_tokens", "output_tokens"):
-            fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints
-        row = Row(**fields)
-        summary.captioned += row.error is None and row.duplicate_of is None
-        yield row
+        if not copies_of:
+            return
+        batch_size = max(1, min(4 * concurrency, -(-len(copies_of) // workers)))
+        captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies_of.items()])
+        captions = captions.map_batches(
+            CaptionActor,
+            fn_constructor_args=(engine_args, prompt, video_prompt, params, settings, concurrency, str(shards)),
+            batch_size=batch_size,
+            concurrency=workers,
+            num_cpus=1,
+        )
+        counters = {k: 0 for k in COUNTERS}
+        for item in captions.iter_rows():
+            fields = dict(item)
+            for k in COUNTERS:
+                counters[k] += int(fields.pop(k))
+            for k in ("prompt_tokens", "output_tokens"):
+                fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints
+            row = Row(**fields)
+            write_row(own, row)  # the driver's copy of the actor's row
+            summary.captioned += row.error is None and row.duplicate_of is None
+            yield row
+        os.fsync(own.fileno())
     summary.extra["encoder cache hits"] = counters["encoder_cache_hits"]
     summary.extra["prefix-cached tokens"] = counters["prefix_cached_tokens"]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import os
-import time
+import socket
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -238,36 +240,92 @@ class MediaLoader:
             if not allowed:
                 raise MediaError(f"fetching {url} refused: http(s) media is not enabled (--allowed-media-domains)")
             raise MediaError(f"fetching {url} refused: host {host!r} is not in the allowed media domains")
-        opener = urllib.request.build_opener(_SameHostRedirects(host))
         timeout = self.limits.fetch_timeout
-        # the timeout bounds the whole fetch, not each read: a server that sends a byte
-        # now and then must not hold a request (and a processing thread) for ever
-        deadline = time.monotonic() + timeout
+        # the timeout bounds the whole fetch (connect, headers, body), not each read: a
+        # server that sends a byte now and then must not hold a processing thread for ever
+        watchdog = _Watchdog(timeout)
+        opener = urllib.request.build_opener(_SameHostRedirects(host), *watchdog.handlers())
         try:
             with opener.open(url, timeout=timeout) as resp:
                 declared = resp.headers.get("Content-Length")
                 if declared and declared.isdigit() and int(declared) > max_bytes:
                     raise MediaError(f"{url} is {declared} bytes, over the {max_bytes}-byte limit")
-                chunks, size = [], 0
-                while size <= max_bytes:
-                    if time.monotonic() > deadline:
-                        raise MediaError(f"fetching {url} took longer than the {timeout:g} s timeout")
-                    chunk = resp.read1(min(1 << 16, max_bytes + 1 - size))
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
-                data = b"".join(chunks)
+                data = resp.read(max_bytes + 1)
         except MediaError:
             raise
         except urllib.error.HTTPError as e:
             raise MediaError(f"fetching {url} failed: HTTP {e.code}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            if watchdog.fired:
+                raise MediaError(f"fetching {url} took longer than the {timeout:g} s timeout") from None
             reason = getattr(e, "reason", e)
             raise MediaError(f"fetching {url} failed: {reason}") from None
+        finally:
+            watchdog.cancel()
+        if watchdog.fired:  # cut off mid-body: what was read is not the whole file
+            raise MediaError(f"fetching {url} took longer than the {timeout:g} s timeout")
         if len(data) > max_bytes:
             raise MediaError(f"{url} is over the {max_bytes}-byte limit")
         return data
+
+
+class _Watchdog:
+    """Shuts a fetch's connections down once its time is up, which ends any read blocked
+    on them. (Name resolution is not covered: it cannot be interrupted.)"""
+
+    def __init__(self, seconds: float) -> None:
+        self.sockets: list[socket.socket] = []
+        self.fired = False
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _fire(self) -> None:
+        with self.lock:
+            self.fired = True
+            for sock in self.sockets:
+                _shut(sock)
+
+    def watch(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sockets.append(sock)
+            if self.fired:  # connected after the time was up
+                _shut(sock)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+    def handlers(self) -> list[urllib.request.BaseHandler]:
+        """HTTP and HTTPS handlers whose connections (redirects' too) are watched."""
+        watch = self.watch
+
+        class Watched(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                watch(self.sock)
+
+        class WatchedTLS(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                watch(self.sock)
+
+        class Handler(urllib.request.HTTPHandler):
+            def http_open(self, req):
+                return self.do_open(Watched, req)
+
+        class TLSHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req):
+                return self.do_open(WatchedTLS, req, context=self._context)
+
+        return [Handler(), TLSHandler()]
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
 
 
 class _SameHostRedirects(urllib.request.HTTPRedirectHandler):

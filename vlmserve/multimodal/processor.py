@@ -196,6 +196,7 @@ class MultiModalProcessor:
         if "max_pixels" in settings:
             size["longest_edge"] = settings["max_pixels"]
         if settings.get("detail") == "low":  # never more pixels than without it
-            size["longest_edge"] = min(size["longest_edge"], LOW_DETAIL_MAX_PIXELS)
-            size["shortest_edge"] = min(size["shortest_edge"], size["longest_edge"])
+            size["longest_edge"] = min(size.get("longest_edge", LOW_DETAIL_MAX_PIXELS), LOW_DETAIL_MAX_PIXELS)
+            if "shortest_edge" in size:
+                size["shortest_edge"] = min(size["shortest_edge"], size["longest_edge"])
         return {"size": size}
