@@ -51,6 +51,15 @@ def vision_windows(
     return torch.from_numpy(np.concatenate(order)), lengths
 
 
+def vision_rotary_cos_sin(grid_thw: list[tuple[int, int, int]], merge: int,
+                          inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D rotary angles of every patch: the row's frequencies, then the column's, twice."""
+    rc = vision_rotary_positions(grid_thw, merge).to(inv_freq.device)
+    freqs = (rc[:, :, None].float() * inv_freq[None, None, :]).flatten(1)  # [n, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -82,10 +91,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
+    def __init__(self, out_dim: int, context_dim: int, merge: int, norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.hidden = context_dim * merge * merge
-        self.ln_q = RMSNorm(context_dim, 1e-6)
+        self.ln_q = norm(context_dim, 1e-6)
         self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
 
     def forward(self, x):
@@ -110,10 +119,7 @@ class VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
         unit = self.merge * self.merge
-        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
-        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)  # [n, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq)
         frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
         order, window_lens = vision_windows(grid_thw, self.merge, self.window_units)
         order = order.to(x.device)

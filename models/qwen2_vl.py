@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from vlmserve.models.layers import ACTIVATIONS, Linear, mrope_positions, rope_inv_freq
-from vlmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, VisionAttention, vision_rotary_positions
+from vlmserve.models.qwen2_5_vl import (
+    PatchMerger,
+    Qwen2_5_VLForConditionalGeneration,
+    VisionAttention,
+    vision_rotary_cos_sin,
+)
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -40,17 +45,6 @@ class VisionBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class PatchMerger(nn.Module):
-    def __init__(self, out_dim: int, context_dim: int, merge: int) -> None:
-        super().__init__()
-        self.hidden = context_dim * merge * merge
-        self.ln_q = nn.LayerNorm(context_dim, eps=1e-6)
-        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
-
-    def forward(self, x):
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
-
-
 class VisionTransformer(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -62,14 +56,11 @@ class VisionTransformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.embed_dim // cfg.num_heads // 2, theta), persistent=False)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         # the vision config's hidden_size is the language model's width: the merger's output
-        self.merger = PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge)
+        self.merger = PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge, norm=nn.LayerNorm)
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
-        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)  # [n, d/2]: rows', then cols'
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq)
         frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
         for block in self.blocks:
             x = block(x, cos, sin, frame_lens)

@@ -28,7 +28,7 @@ from vlmserve.models.layers import (
     mrope_positions,
     rope_inv_freq,
 )
-from vlmserve.models.qwen2_5_vl import VisionAttention, vision_rotary_positions
+from vlmserve.models.qwen2_5_vl import VisionAttention, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -99,10 +99,7 @@ class VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
         x = x + self.position_embeddings(grid_thw)
-        rc = vision_rotary_positions(grid_thw, self.merge).to(x.device)
-        freqs = (rc[:, :, None].float() * self.inv_freq[None, None, :]).flatten(1)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq)
         frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
         for block in self.blocks:
             x = block(x, cos, sin, frame_lens)
