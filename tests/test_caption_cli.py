@@ -67,7 +67,8 @@ def test_a_folder_with_copies_broken_files_and_a_video(qwen25_path, folder, tmp_
         original = by_path[c["duplicate_of"]]
         assert original["duplicate_of"] is None
         assert (c["caption"], c["mm_hash"]) == (original["caption"], original["mm_hash"])
-    assert "done 48 (of which duplicates 5, captioned 43)" in result.stderr and "failed 2" in result.stderr
+    assert re.search(r"done 48 \(of which duplicates 5, captioned 43\), skipped 0, failed 2, in [0-9.]+s: "
+                     r"[0-9.]+ files/s, encoder cache hits \d+, prefix-cached tokens \d+", result.stderr), result.stderr
     video = by_path[str(folder / "clip.mp4")]
     assert video["caption"] is not None and video["prompt_tokens"] > 10
     # the captions are the LLM API's for the same settings
