@@ -161,7 +161,6 @@ class Captioner:
             for m, q in (("image", prompt), ("video", video_prompt))
         }
         self.pool = ThreadPoolExecutor(engine.args.processing_threads, thread_name_prefix="vlmserve-caption")
-        self.num_captioned = 0
 
     def _prepare(self, path: str):
         """Reads a file and hashes it (duplicates stop here: they are not decoded)."""
@@ -233,7 +232,6 @@ class Captioner:
                 c = out.outputs[0]
                 row = Row(path, caption=c.text, mm_hash=key, prompt_tokens=out.num_prompt_tokens,
                           output_tokens=len(c.token_ids), finish_reason=c.finish_reason, error=out.error)
-                self.num_captioned += out.error is None
                 yield from self._finish(row, finished, waiting_copies)
 
     @staticmethod
@@ -326,7 +324,6 @@ def run_caption(args: argparse.Namespace) -> int:
         interrupted = stop["now"]
         if interrupted:
             captioner.abort_all()
-        summary.captioned = captioner.num_captioned
         stats = engine.stats()
         summary.extra["encoder cache hits"] = stats.encoder_cache_hits
         summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
@@ -360,6 +357,7 @@ def track(rows: Iterator[Row], summary: Summary, total: int, progress: bool, out
         if out is not None:
             write_row(out, row)
         summary.done += row.error is None
+        summary.captioned += row.error is None and row.duplicate_of is None  # an original, this run
         summary.failed += row.error is not None
         summary.duplicates += row.duplicate_of is not None
         bar.update(1)

@@ -112,7 +112,9 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args: Engine
                 row = copy_row(known[item["mm_hash"]], item["path"])
             else:
                 original = by_hash.setdefault(item["mm_hash"], item["path"])
-                copies_of.setdefault(original, []).extend([item["path"]] if original != item["path"] else [])
+                copies = copies_of.setdefault(original, [])
+                if original != item["path"]:
+                    copies.append(item["path"])
                 continue
             write_row(own, row)
             yield row
@@ -136,7 +138,6 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args: Engine
                 fields[k] = int(fields[k] or 0)  # numpy ints from the dataset -> plain ints
             row = Row(**fields)
             write_row(own, row)  # the driver's copy of the actor's row
-            summary.captioned += row.error is None and row.duplicate_of is None
             yield row
         os.fsync(own.fileno())
     summary.extra["encoder cache hits"] = counters["encoder_cache_hits"]

@@ -6,7 +6,6 @@ the same code as a released checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -102,17 +101,27 @@ def save_generation_config(path: Path, tokenizer, **extra) -> None:
                      **extra).save_pretrained(str(path))
 
 
-def save_processor_and_tokenizer(path: Path, tokenizer, image_kwargs: dict[str, Any], family: str = "qwen2_5_vl") -> None:
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+def save_qwen2_family(path: Path, model_cls: type, processor_cls: type, config, tokenizer, seed: int,
+                      min_pixels: int, max_pixels: int) -> Path:
+    """Random weights for a Qwen2-VL or Qwen2.5-VL config, saved with the generation
+    config, the family's processor and the tokenizer."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    processor_cls = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    randomize_weights(model, seed)
+    model.save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
+    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     processor = processor_cls(
-        image_processor=Qwen2VLImageProcessor(**image_kwargs),
-        video_processor=Qwen2VLVideoProcessor(**image_kwargs),
+        image_processor=Qwen2VLImageProcessor(**pixels),
+        video_processor=Qwen2VLVideoProcessor(**pixels),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(path))
+    return path
 
 
 def qwen2_text_config(vocab_size: int, ids: dict[str, int], hidden_size: int, intermediate_size: int,
@@ -159,7 +168,7 @@ def build_qwen2_vl(
     seed: int = 0,
 ) -> Path:
     """A tiny Qwen2-VL (full attention in every layer, as the released checkpoints)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -184,14 +193,8 @@ def build_qwen2_vl(
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    randomize_weights(model, seed)
-    model.save_pretrained(str(path))
-    save_generation_config(path, tokenizer)
-    save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels}, "qwen2_vl")
-    return path
+    return save_qwen2_family(path, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, config, tokenizer, seed,
+                             min_pixels, max_pixels)
 
 
 def build_qwen2_5_vl(
@@ -216,7 +219,7 @@ def build_qwen2_5_vl(
     corpus: list[str] | None = None,
 ) -> Path:
     """A tiny Qwen2.5-VL; layers >= max_window_layers use sliding-window attention."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -245,14 +248,8 @@ def build_qwen2_5_vl(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=tie_word_embeddings,
     )
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    randomize_weights(model, seed)
-    model.save_pretrained(str(path))
-    save_generation_config(path, tokenizer)
-    save_processor_and_tokenizer(path, tokenizer, {"min_pixels": min_pixels, "max_pixels": max_pixels})
-    return path
+    return save_qwen2_family(path, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, config, tokenizer, seed,
+                             min_pixels, max_pixels)
 
 
 def build_qwen3_5(
