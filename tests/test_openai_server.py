@@ -268,7 +268,9 @@ def test_queue_full_then_a_slot_frees_and_graceful_shutdown(qwen25_path):
     deadline = time.time() + 30
     while time.time() < deadline and s.metric("num_requests_running") > 1:
         time.sleep(0.02)
-    ok = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    # ignore_eos: sampled from a random model, the answer could otherwise end after 1 token
+    ok = httpx.post(s.base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True},
+                    timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     # SIGTERM while a request is in flight: it finishes, then the process exits
     code = s.stop(signal.SIGTERM, timeout=120)
