@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import struct
+import subprocess
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -33,10 +35,22 @@ THUMBNAIL_PX = 9 * 16  # ui/app.py CSS: pictures and clips in the transcript at 
 pytestmark = pytest.mark.slow
 
 
+def ensure_chromium() -> None:
+    """Installs Debian's chromium the first time the browser tests run on a machine (as
+    root, or through password-less sudo): `python -m pytest` alone needs nothing else."""
+    if Path(CHROMIUM).exists():
+        return
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+        done = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"Debian's chromium is missing and `{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+
+
 @pytest.fixture(scope="module")
 def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail("Debian's chromium is missing: .ci/run installs it (apt-get install chromium)")
+    ensure_chromium()
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -128,6 +142,14 @@ class Page:
         self.wait_done(0, deadline - time.time())
         return self.stats()
 
+    def clear(self) -> None:
+        """Clicks Clear and waits until the transcript is empty."""
+        self.page.click("#clear")
+        deadline = time.time() + 20
+        while self.page.locator("#chat .message").count():
+            assert time.time() < deadline, "Clear left messages in the chat"
+            time.sleep(0.1)
+
     def answers(self) -> int:
         """Assistant messages in the transcript (gradio shows consecutive ones in one row)."""
         return self.page.locator("#chat [data-testid='bot']").count()
@@ -185,8 +207,7 @@ def test_describe_a_sample_then_hit_the_prefix_cache(browser, ui):
     assert normalize_answer(answer) == normalize_answer(expected("shapes4.png", question))
     first = page.stats()
     assert re.search(r"tokens/s .* time to first token", first) and "1 encoder ran" in first
-    page.page.click("#clear")
-    page.page.wait_for_timeout(300)
+    page.clear()
     again = page.ask(question, [str(SAMPLES / "shapes4.png")])
     page.shot("2-prefix-cache-hit")
     second = page.stats()
@@ -285,8 +306,7 @@ def test_a_picture_from_the_encoder_cache(browser, ui, tmp_path):
     question = "Describe the image."
     assert normalize_answer(page.ask(question, [a])) == normalize_answer(expected("shapes1.png", question))
     assert page.stats().endswith("media: 1 encoder ran"), page.stats()
-    page.page.click("#clear")
-    page.page.wait_for_timeout(300)
+    page.clear()
     answer = page.ask("How many shapes are there?", [b, a])
     page.shot("9-encoder-cache")
     assert answer and not answer.startswith("⚠️")
@@ -314,7 +334,7 @@ def test_max_pixels_makes_the_prompt_shorter(browser, ui, tmp_path):
     page = Page(browser, ui.base)
     page.ask("Describe the image.", [picture])
     full = page.prompt_tokens()
-    page.page.click("#clear")
+    page.clear()
     page.page.click("text=Settings")
     page.set_number("max pixels per image (0: the model's)", "3136")
     page.ask("Describe the image.", [picture])
@@ -365,14 +385,15 @@ def test_a_sample_is_a_clickable_example(browser, ui):
 
 def test_stop_really_aborts_a_long_answer(browser, tmp_path):
     # a random-weight model rambles on to max tokens: a long answer to stop, from a model
-    # wide enough that 1024 tokens take seconds, not the fraction of one the tiny ones do
-    path = build_qwen2_5_vl(tmp_path / "wide", hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048)
-    s = Server(str(path), "--num-kv-blocks", "512", command="ui")
+    # wide enough that 8192 tokens take many seconds on any machine
+    path = build_qwen2_5_vl(tmp_path / "wide", hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048,
+                            max_position_embeddings=16384)
+    s = Server(str(path), "--num-kv-blocks", "1100", command="ui")
     try:
         page = Page(browser, s.base)
         page.page.click("text=Settings")
-        page.set_slider("max tokens", "1024")
-        page.ask("What is in this picture?", wait=False)  # greedy: 1024 tokens without an end
+        page.set_slider("max tokens", "8192")
+        page.ask("What is in this picture?", wait=False)  # greedy: 8192 tokens without an end
         deadline = time.time() + 30
         while time.time() < deadline and len(page.last_answer()) < 20:  # streaming has begun
             time.sleep(0.05)

@@ -161,7 +161,7 @@ class ChatApp:
             with gr.Accordion("Settings", open=False):
                 temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature")
                 top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top-p")
-                max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max tokens")
+                max_tokens = gr.Slider(1, 8192, value=128, step=1, label="max tokens")  # the server caps it at the context
                 seed = gr.Textbox(value="", label="seed (empty: random)", elem_id="seed")
                 detail = gr.Radio(["auto", "high", "low"], value="auto", label="image detail")
                 max_pixels = gr.Number(value=0, precision=0, label="max pixels per image (0: the model's)")

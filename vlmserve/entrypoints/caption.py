@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +29,14 @@ from vlmserve.multimodal.processor import normalize_settings
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
+
+# Test hook: a process that has written this many rows holds there until it is
+# interrupted (or killed), so a test interrupts a run at a known row whatever the
+# machine's speed. Read once per process; Ray workers get it from the driver.
+HOLD_AFTER_ROWS_ENV = "VLMSERVE_TEST_HOLD_AFTER_ROWS"
+_hold_after_rows = int(os.environ.get(HOLD_AFTER_ROWS_ENV) or 0)
+_rows_written = 0
+_interrupted = threading.Event()  # set by the local run's Ctrl-C handler
 
 
 @dataclass
@@ -315,7 +324,12 @@ def run_caption(args: argparse.Namespace) -> int:
         captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
         start = time.time()  # the summary's rate is the captioning's, the model loaded
         stop = {"now": False}
-        previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+
+        def on_interrupt(*_):
+            stop["now"] = True
+            _interrupted.set()
+
+        previous_handler = signal.signal(signal.SIGINT, on_interrupt)
         try:
             with open(args.out, "a") as out:
                 track(_until(captioner.run(todo, known), stop), summary, len(todo), not args.no_progress, out)
@@ -343,8 +357,13 @@ def _until(rows: Iterator[Row], interrupted: dict) -> Iterator[Row]:
 
 
 def write_row(f: TextIO, row: Row) -> None:
+    global _rows_written
     f.write(json.dumps(asdict(row)) + "\n")
     f.flush()  # a crash or Ctrl-C loses nothing that was written
+    _rows_written += 1
+    if _rows_written == _hold_after_rows:
+        while not _interrupted.wait(0.05):  # Ctrl-C raises KeyboardInterrupt here, or sets the event
+            pass
 
 
 def track(rows: Iterator[Row], summary: Summary, total: int, progress: bool, out: TextIO | None = None) -> None:

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
-from vlmserve.entrypoints.caption import Row, Summary, copy_row, modality_of, shard_dir, write_row
+from vlmserve.entrypoints.caption import (
+    HOLD_AFTER_ROWS_ENV,
+    Row,
+    Summary,
+    copy_row,
+    modality_of,
+    shard_dir,
+    write_row,
+)
 
 # per-batch engine counters an actor sends back with its rows (on the batch's first row)
 COUNTERS = ("encoder_cache_hits", "prefix_cached_tokens")
@@ -93,10 +101,12 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args: Engine
         return
     settings = normalize_settings(settings)
     if not ray.is_initialized():
+        hold = os.environ.get(HOLD_AFTER_ROWS_ENV)
+        runtime_env = {"env_vars": {HOLD_AFTER_ROWS_ENV: hold}} if hold else None
         if address == "local":
-            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
         else:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
     ray.data.DataContext.get_current().enable_progress_bars = False
     shards = shard_dir(out).resolve()  # the workers' working directories are not the driver's
     shards.mkdir(parents=True, exist_ok=True)
