@@ -29,6 +29,15 @@ def bench_checkpoint() -> str:
     return str(path)
 
 
+def cpu_flags() -> str:
+    """What bf16 speed depends on: printed with every benchmark."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+
+
 def synthetic_image(w: int, h: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
     base = rng.randint(0, 256, (4, 4, 3), dtype=np.uint8)  # smooth-ish, like a photo

@@ -29,6 +29,7 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_caption.py": (["--images", "4", "--repeats", "1", "--max-tokens", "4"], r"ratio: +[0-9.]+x +[0-9.]+x"),
     "bench_startup.py": (["--runs", "1"], r"first answer"),
     "bench_media.py": (["--images", "4", "--threads", "2"], r"images/s"),
+    "bench_soak.py": (["--clients", "4", "--minutes", "0.1"], r"back to idle: yes"),
 }
 
 

@@ -110,7 +110,9 @@ def test_bad_input_fails_clearly_and_leaves_nothing_behind(llm, bad, message):
 def test_prompt_longer_than_the_context_is_refused(qwen25_path):
     llm = LLM(qwen25_path, num_kv_blocks=256, max_model_len=64)
     with pytest.raises(ValueError, match="context is 64 tokens"):
-        llm.generate("Hello world " * 100)
+        llm.generate("Hello world " * 40)  # 80 tokens, found by tokenizing
+    with pytest.raises(ValueError, match=r"characters, more than the model's context of 64 tokens"):
+        llm.generate("Hello world " * 10_000)  # refused from its length alone
     # short text, but a picture whose tokens take it over the context
     with pytest.raises(ValueError, match="media included"):
         llm.chat(chat({"type": "image", "image": make_image(224, 224, 3)}))

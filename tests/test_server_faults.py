@@ -81,3 +81,47 @@ def test_an_engine_that_died_answers_503(served):
         ask(base)
     assert info.value.status_code == 503
     assert info.value.body["type"]  # OpenAI's error JSON
+
+
+DYING_SERVER = """
+import logging
+import sys
+from vlmserve.engine.async_llm import AsyncLLM
+from vlmserve.entrypoints.cli import build_parser, engine_args_from
+from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
+
+args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--port", sys.argv[2], "--num-kv-blocks", "256"])
+logging.basicConfig(level="INFO")  # as `vlmserve serve` does
+engine = AsyncLLM(engine_args_from(args))
+engine.engine.engine_core.scheduler.schedule = lambda: 1 / 0  # a bug that kills the engine loop
+serve_engine_app(engine, OpenAIServer(engine, "tiny").build_app(), args)
+"""
+
+
+def test_a_server_whose_engine_died_exits_non_zero(qwen25_path):
+    """What `vlmserve serve` runs, with a bug put into its scheduler: the request in flight
+    gets a 503, then the process exits with code 1 for its supervisor to restart it."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, qwen25_path, str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as info:
+            ask(base)
+        assert info.value.status_code == 503 and "engine" in info.value.message
+        assert proc.wait(timeout=60) == 1
+        assert "the engine died" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

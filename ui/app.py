@@ -90,6 +90,11 @@ def stats_line(usage: dict | None, ttft: float | None, seconds: float, tokens: i
     return " · ".join(p for p in parts if p)
 
 
+# the growing answer goes to the browser at most this often: every token would resend the
+# whole transcript (quadratic in the answer's length) and starve the page on a busy machine
+REFRESH_SECONDS = 0.1
+
+
 class ChatApp:
     def __init__(self, api_base: str, api_key: str | None, model: str | None = None,
                  samples: list[tuple[str, str]] | None = None) -> None:
@@ -112,6 +117,7 @@ class ChatApp:
         stream = None
         start = time.perf_counter()
         ttft, usage, text, tokens = None, None, "", 0
+        shown = 0.0  # when the answer was last sent to the browser
         try:
             messages = to_openai_messages(history[:-1], settings.detail)
             extra = {"mm_processor_kwargs": {"max_pixels": settings.max_pixels}} if settings.max_pixels else {}
@@ -131,7 +137,9 @@ class ChatApp:
                     tokens += 1
                     text += delta
                     history[-1]["content"] = text
-                    yield history, ""
+                    if time.perf_counter() - shown >= REFRESH_SECONDS:
+                        shown = time.perf_counter()
+                        yield history, ""
             yield history, stats_line(usage, ttft, time.perf_counter() - start, (usage or {}).get("completion_tokens", tokens))
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
             history[-1]["content"] = f"{ERROR_MARK} the server is not reachable ({e.__class__.__name__}); is it running?"

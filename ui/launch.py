@@ -33,9 +33,9 @@ def run_ui(args) -> None:
     else:
         from vlmserve.engine.async_llm import AsyncLLM
         from vlmserve.entrypoints.cli import engine_args_from
-        from vlmserve.entrypoints.openai.api_server import OpenAIServer, _default_name
+        from vlmserve.entrypoints.openai.api_server import OpenAIServer, _default_name, serve_engine_app
 
-        engine = AsyncLLM(engine_args_from(args))
+        engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
         name = args.served_model_name or _default_name(engine.engine.model_path)
         # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
         # or without; the UI's own calls go through it like any client's
@@ -46,4 +46,7 @@ def run_ui(args) -> None:
     # gradio serves the examples' files only when told to: those files, not their whole folder
     allowed = [path for path, _ in samples]
     app = gr.mount_gradio_app(app, chat.build(), path="/", head=HEAD, css=CSS, allowed_paths=allowed)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
+    if args.api_base:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
+    else:
+        serve_engine_app(engine, app, args)

@@ -1,115 +1,125 @@
-"""Engine metrics in the Prometheus text format (no client library needed for this much)."""
+"""The server's Prometheus series, with prometheus_client: request histograms and
+counters fed with every step's finished outputs, and the engine's own counters and
+gauges (scheduler, KV cache, encoder and processor caches) read when /metrics is scraped.
+
+Each server has a registry of its own, so several engines in one process (tests, the UI
+beside the API) never share a series.
+"""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable
 
-from vlmserve.core.scheduler import SchedulerStats
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vlmserve.engine.stats import EngineStats
 from vlmserve.outputs import RequestOutput
 
+logger = logging.getLogger(__name__)
+
 PREFIX = "vlmserve:"
-
-
-@dataclass
-class Histogram:
-    buckets: list[float]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        for bound, count in zip(self.buckets, self.counts):
-            lines.append(f'{name}_bucket{{le="{bound}"}} {count}')
-        lines += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total}", f"{name}_count {self.n}"]
-        return lines
-
-
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80]
 _PER_TOKEN = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5]
 
 
 class EngineMetrics:
-    """Request-level histograms and counters, fed with every step's outputs."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ttft = Histogram(_LATENCY)
-        self.tpot = Histogram(_PER_TOKEN)
-        self.e2e = Histogram(_LATENCY)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.finished: dict[str, int] = {}
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r, p = self.registry, PREFIX
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=_PER_TOKEN, registry=r)
+        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY, registry=r)
+        self.queue = Histogram(f"{p}request_queue_time_seconds", "Arrival to first scheduled.", buckets=_LATENCY,
+                               registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.finished = Counter(f"{p}request_success", "Finished completions by finish reason.",
+                                ["finished_reason"], registry=r)
+        r.register(_EngineCollector(stats))
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
-        with self.lock:
-            for out in outputs:
-                if not out.finished:
-                    continue
-                m = out.metrics
-                generated = sum(len(c.token_ids) for c in out.outputs)
-                self.prompt_tokens += len(out.prompt_token_ids)
-                self.generation_tokens += generated
-                for c in out.outputs:
-                    self.finished[c.finish_reason or "unknown"] = self.finished.get(c.finish_reason or "unknown", 0) + 1
-                if m is None:
-                    continue
-                if m.first_token_time is not None:
-                    self.ttft.observe(m.first_token_time - m.arrival_time)
-                    if m.last_token_time is not None and generated > 1:
-                        per = (m.last_token_time - m.first_token_time) / (max(len(c.token_ids) for c in out.outputs) - 1)
-                        self.tpot.observe(per)
-                if m.finished_time is not None:
-                    self.e2e.observe(m.finished_time - m.arrival_time)
+        """Counts the finished requests of a step. A request whose numbers cannot be
+        counted is logged and skipped: metrics never fail a request or the engine."""
+        for out in outputs:
+            if out.finished:
+                try:
+                    self._count(out)
+                except Exception:
+                    logger.exception("metrics of request %s skipped", out.request_id)
 
-    def render(self, stats: SchedulerStats, group_kinds: list[str], processor_hits: int, processor_misses: int) -> str:
+    def _count(self, out: RequestOutput) -> None:
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
+        for c in out.outputs:
+            self.finished.labels(c.finish_reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            longest = max((len(c.token_ids) for c in out.outputs), default=0)
+            if m.last_token_time is not None and longest > 1:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / (longest - 1))
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """The engine's numbers, as they are at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
         p = PREFIX
-        lines: list[str] = []
 
-        def gauge(name, help_text, value, labels=""):
-            lines.extend([f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} gauge", f"{p}{name}{labels} {value}"])
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(p + name, help_text, value=value)
 
-        def counter(name, help_text, samples):
-            lines.extend([f"# HELP {p}{name} {help_text}", f"# TYPE {p}{name} counter"])
-            lines.extend(f"{p}{name}{labels} {value}" for labels, value in samples)
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(p + name, help_text, value=value)
 
-        gauge("num_requests_running", "Requests being computed.", stats.num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        gauge("kv_cache_usage_perc", "Share of KV blocks in use (0-1).", round(stats.kv_usage, 6))
-        lines += [f"# HELP {p}kv_cache_blocks_in_use KV blocks (attention) or state slots (recurrent) held by requests, per KV cache group.",
-                  f"# TYPE {p}kv_cache_blocks_in_use gauge"]
-        for g, (n, kind) in enumerate(zip(stats.blocks_in_use, group_kinds)):
-            lines.append(f'{p}kv_cache_blocks_in_use{{group="{g}",kind="{kind}"}} {n}')
-        groups = list(enumerate(group_kinds))
-        counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache, per group.",
-                [(f'{{group="{g}",kind="{k}"}}', stats.prefix_cache_queries[g]) for g, k in groups])
-        counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache, per group.",
-                [(f'{{group="{g}",kind="{k}"}}', stats.prefix_cache_hits[g]) for g, k in groups])
-        queries = sum(stats.prefix_cache_queries) or 1
-        gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, all groups.",
-              round(sum(stats.prefix_cache_hits) / queries, 6))
-        counter("encoder_cache_hits_total", "Media items served from the encoder cache.", [("", stats.encoder_cache_hits)])
-        counter("encoder_cache_misses_total", "Media items run through the vision encoder.", [("", stats.encoder_cache_misses)])
-        counter("processor_cache_hits_total", "Media items whose decoding and resizing was skipped.", [("", processor_hits)])
-        counter("processor_cache_misses_total", "Media items decoded and resized.", [("", processor_misses)])
-        counter("num_preemptions_total", "Requests preempted when KV memory ran out.", [("", stats.num_preemptions)])
-        with self.lock:
-            counter("prompt_tokens_total", "Prompt tokens of finished requests.", [("", self.prompt_tokens)])
-            counter("generation_tokens_total", "Generated tokens of finished requests.", [("", self.generation_tokens)])
-            counter("request_success_total", "Finished completions by finish reason.",
-                    [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
-            lines += self.ttft.render(f"{p}time_to_first_token_seconds", "Time to first token.")
-            lines += self.tpot.render(f"{p}time_per_output_token_seconds", "Time per output token after the first.")
-            lines += self.e2e.render(f"{p}e2e_request_latency_seconds", "Arrival to finish.")
-        return "\n".join(lines) + "\n"
+        yield gauge("num_requests_running", "Requests being computed.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Share of KV blocks in use (0-1).", s.kv_usage)
+        groups = list(enumerate(s.group_kinds))
+        per_group = [
+            (GaugeMetricFamily, "kv_cache_blocks_in_use", "KV blocks (attention) or state slots (recurrent) held by requests, per KV cache group.",
+             s.blocks_in_use),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache, per group.",
+             s.prefix_cache_queries),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache, per group.",
+             s.prefix_cache_hits),
+        ]
+        for family, name, help_text, values in per_group:
+            metric = family(p + name, help_text, labels=["group", "kind"])
+            for (g, kind), value in zip(groups, values):
+                metric.add_metric([str(g), kind], value)
+            yield metric
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, all groups.",
+                    sum(s.prefix_cache_hits) / max(sum(s.prefix_cache_queries), 1))
+        yield gauge("state_slots_in_use", "Recurrent-state slots held by running requests.", s.state_slots_in_use)
+        yield gauge("state_snapshots", "Recurrent-state snapshots kept for prefix caching.", s.state_snapshots)
+        yield counter("encoder_cache_hits", "Media items served from the encoder cache.", s.encoder_cache_hits)
+        yield counter("encoder_cache_misses", "Media items run through the vision encoder.", s.encoder_cache_misses)
+        yield gauge("encoder_cache_entries", "Encoder outputs held in the encoder cache.", s.encoder_cache_entries)
+        yield gauge("encoder_cache_entries_in_use", "Encoder-cache entries requests still need.",
+                    s.encoder_cache_entries_in_use)
+        yield gauge("encoder_cache_usage_tokens", "Embedding tokens held in the encoder cache.",
+                    s.encoder_cache_tokens)
+        yield counter("processor_cache_hits", "Media items whose decoding and resizing was skipped.",
+                      s.processor_cache_hits)
+        yield counter("processor_cache_misses", "Media items decoded and resized.", s.processor_cache_misses)
+        yield counter("num_preemptions", "Requests preempted when KV memory ran out.", s.num_preemptions)

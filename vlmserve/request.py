@@ -76,6 +76,7 @@ class Request:
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.first_scheduled_time: float | None = None
 
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 # Below this temperature sampling is greedy (argmax), as in vLLM and OpenAI's API.
 _GREEDY_EPS = 1e-5
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64  # what a torch.Generator takes
+MAX_TOP_K = (1 << 31) - 1  # larger is no filtering anyway
+
+
+class ParamError(ValueError):
+    """A sampling parameter out of range; `param` names it (the API's error field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ParamError(message.split(" ", 1)[0], message)  # every message starts with the field's name
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -26,34 +50,45 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        """Range checks that need no model; `verify` adds the model's. Each failure is a
+        ValueError naming the field, so a bad request is refused before it is queued."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
-            raise ValueError(f"prompt_logprobs must be -1 or non-negative, got {self.prompt_logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer of at least 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_TOP_K,
+               f"top_k must be -1 or 0 (disabled) or at most {MAX_TOP_K}, got {self.top_k!r}")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed < SEED_END),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"min_tokens must be non-negative, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be non-negative, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= -1),
+               f"prompt_logprobs must be -1 or non-negative, got {self.prompt_logprobs!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.top_k == -1:
             self.top_k = 0
+
+    def verify(self, vocab_size: int, max_n: int | None = None) -> None:
+        """The checks that need the model: token ids within its vocabulary, and n within
+        the engine's bound."""
+        _check(max_n is None or self.n <= max_n, f"n is {self.n}, over this server's limit of {max_n} (--max-n)")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, f"stop_token_ids holds {bad[:1]}, not a token id of this model (0 to {vocab_size - 1})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value <= vocab_size, f"{name} is {value}, over the vocabulary of {vocab_size}")
 
     @property
     def greedy(self) -> bool:
@@ -65,5 +100,5 @@ class SamplingParams:
 
     def for_child(self, index: int) -> SamplingParams:
         """Params of the index-th of n samples: n=1, and a distinct seed when seeded."""
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index) % SEED_END  # stays a valid seed
         return replace(self, n=1, seed=seed)

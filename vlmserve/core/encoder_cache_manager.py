@@ -32,6 +32,14 @@ class EncoderCacheManager:
         self._evicted: list[str] = []
         self.stats = EncoderCacheStats()
 
+    @property
+    def num_entries(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cache_size - self.num_free_slots
+
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
         """True if the item's output is cached; then the request takes a reference."""
         mm_hash = request.mm_features[input_id].mm_hash
@@ -107,9 +115,12 @@ class EncoderCacheManager:
         return evicted
 
     def reset(self) -> None:
-        """Drops every entry (the engine must be idle); the runner clears its tensors."""
+        """Drops every entry (the engine must be idle); they are reported as evicted, so
+        the runner drops their tensors. The hit and miss counters keep counting."""
         assert self.num_referenced() == 0, "cannot reset the encoder cache while requests use it"
-        self.__init__(self.cache_size)
+        for mm_hash in list(self.sizes):
+            self._drop(mm_hash)
+            self._evicted.append(mm_hash)
 
     def num_referenced(self) -> int:
         return sum(1 for users in self.refs.values() if users)

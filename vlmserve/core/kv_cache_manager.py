@@ -174,6 +174,16 @@ class KVCacheManager:
         """Per group: KV blocks referenced by some request, or live state slots."""
         return [m.blocks_in_use() for m in self.managers]
 
+    def group_kinds(self) -> list[str]:
+        return [type(g.spec).__name__ for g in self.config.groups]
+
+    def state_slots_in_use(self) -> int:
+        """Live recurrent-state slots (one per running request of a hybrid model)."""
+        return sum(len(m.live) for m in self.managers if isinstance(m, MambaManager))
+
+    def num_state_snapshots(self) -> int:
+        return len(self.state_pool.snapshots)
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()

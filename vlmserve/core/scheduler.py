@@ -5,6 +5,7 @@ SchedulerOutput; everything it learns comes back in a ModelRunnerOutput."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from vlmserve.config import SchedulerConfig
@@ -36,6 +37,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     media_stats: dict[str, int] | None = None  # set when finished
+    first_scheduled_time: float | None = None  # wall clock, for the queue-time metric
 
     @property
     def finished(self) -> bool:
@@ -46,13 +48,19 @@ class EngineCoreOutput:
 class SchedulerStats:
     num_running: int
     num_waiting: int
+    group_kinds: list[str]  # per KV cache group: the name of its spec
     blocks_in_use: list[int]  # per KV cache group
     num_free_blocks: int
     kv_usage: float
     prefix_cache_queries: list[int]  # tokens, per group, cumulative
     prefix_cache_hits: list[int]
+    state_slots_in_use: int  # recurrent-state slots of running requests
+    state_snapshots: int  # recurrent-state snapshots kept for prefix caching
     encoder_cache_hits: int
     encoder_cache_misses: int
+    encoder_cache_entries: int
+    encoder_cache_entries_in_use: int  # referenced by requests that still need them
+    encoder_cache_tokens: int
     num_preemptions: int
 
 
@@ -97,6 +105,12 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def reset_caches(self) -> None:
+        """Forgets the prefix and encoder caches (no request may be running)."""
+        self.kv_cache_manager.reset_prefix_cache()
+        self.encoder_cache_manager.reset()
+        self.encoder_cache_manager.get_freed_mm_hashes()  # the runner clears all of its outputs
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -181,6 +195,8 @@ class Scheduler:
                 self.waiting.pop()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.time()
                 request.num_computed_tokens = num_hit
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
@@ -318,34 +334,46 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
-            self._free_finished_encoder_inputs(request)
-            index = runner_output.req_id_to_index[rid]
-            new_token_ids = runner_output.sampled_token_ids[index]
-            prompt_logprobs = runner_output.prompt_logprobs.get(rid)
-            if not new_token_ids and prompt_logprobs is None:
-                continue  # a prefill chunk that ended inside the prompt
-            kept: list[int] = []
-            for token_id in new_token_ids:
-                request.append_output_token_ids(token_id)
-                kept.append(token_id)
-                if self._check_stop(request):
-                    break
-            logprobs = runner_output.logprobs.get(rid)
-            output = EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=kept,
-                finish_reason=request.get_finished_reason(),
-                stop_reason=request.stop_reason,
-                new_logprobs=[logprobs] if logprobs is not None and kept else [],
-                prompt_logprobs=prompt_logprobs,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
-            if request.is_finished():
-                output.media_stats = request.media_stats()
-                self.running.remove(request)
-                self._free_request(request)
-            outputs.append(output)
+            try:
+                output = self._update_request(request, runner_output)
+            except Exception as e:  # a bug in one request's bookkeeping fails that request only
+                logger.exception("request %s failed while its step was recorded", rid)
+                self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+                output = EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(e).__name__}: {e}")
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        rid = request.request_id
+        self._free_finished_encoder_inputs(request)
+        index = runner_output.req_id_to_index[rid]
+        new_token_ids = runner_output.sampled_token_ids[index]
+        prompt_logprobs = runner_output.prompt_logprobs.get(rid)
+        if not new_token_ids and prompt_logprobs is None:
+            return None  # a prefill chunk that ended inside the prompt
+        kept: list[int] = []
+        for token_id in new_token_ids:
+            request.append_output_token_ids(token_id)
+            kept.append(token_id)
+            if self._check_stop(request):
+                break
+        logprobs = runner_output.logprobs.get(rid)
+        output = EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=kept,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            new_logprobs=[logprobs] if logprobs is not None and kept else [],
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
+        )
+        if request.is_finished():
+            output.media_stats = request.media_stats()
+            self.running.remove(request)
+            self._free_request(request)
+        return output
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -387,12 +415,18 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            group_kinds=kv.group_kinds(),
             blocks_in_use=kv.blocks_in_use(),
             num_free_blocks=kv.num_free_blocks,
             kv_usage=kv.usage,
             prefix_cache_queries=list(kv.stats.queries),
             prefix_cache_hits=list(kv.stats.hits),
+            state_slots_in_use=kv.state_slots_in_use(),
+            state_snapshots=kv.num_state_snapshots(),
             encoder_cache_hits=enc.hits,
             encoder_cache_misses=enc.misses,
+            encoder_cache_entries=self.encoder_cache_manager.num_entries,
+            encoder_cache_entries_in_use=self.encoder_cache_manager.num_referenced(),
+            encoder_cache_tokens=self.encoder_cache_manager.num_tokens,
             num_preemptions=self.num_preemptions,
         )

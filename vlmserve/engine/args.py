@@ -21,6 +21,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's, capped by the KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_n: int = 16  # completions one request may ask for (n); each counts as a request in flight
     enable_chunked_prefill: bool = True
     # KV cache
     block_size: int = 16

@@ -33,17 +33,25 @@ class QueueFullError(RuntimeError):
     pass
 
 
+# a prompt with more characters than this is processed in a pool of its own, so that
+# tokenizing it never holds the threads the other requests' media need
+LARGE_PROMPT_CHARS = 100_000
+
+
 class AsyncLLM:
     def __init__(self, args: EngineArgs, max_pending_requests: int = 512) -> None:
         self.engine = LLMEngine(args)
         self.max_pending = max_pending_requests
         self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
+        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-large-prompt")
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its event loop, its output queue, completions it asked for)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
+        self.death_listeners: list[Callable[[BaseException], None]] = []  # e.g. the server exits
         self.stats = self.engine.stats()  # refreshed by the engine thread, read by /metrics
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
         self._thread.start()
@@ -51,7 +59,9 @@ class AsyncLLM:
     # -- public API ------------------------------------------------------------------------
     @property
     def num_pending(self) -> int:
-        return len(self._streams)
+        """Completions in flight: a request asking for n counts n times."""
+        with self._lock:
+            return sum(n for _, _, n in self._streams.values())
 
     async def generate(
         self,
@@ -67,18 +77,22 @@ class AsyncLLM:
         is yielded. Cancelling the iteration (a client that hangs up) aborts the request.
         """
         self._check_alive()
-        if self.num_pending >= self.max_pending:
-            raise QueueFullError(f"the server has {self.num_pending} requests in flight; try again later")
+        self.engine.check_params(params)  # a request that can never run is refused before it is counted
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            pending = sum(n for _, _, n in self._streams.values())
+            if pending + params.n > self.max_pending:
+                raise QueueFullError(f"the server has {pending} completions in flight (a request asking for n "
+                                     f"counts n); try again later")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (loop, out_queue)
+            self._streams[request_id] = (loop, out_queue, params.n)
         finished = False
         try:
+            pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
             processed: ProcessedRequest = await loop.run_in_executor(
-                self.pool, self.engine.process_request, request_id, prompt, params, priority, cache_salt, time.time()
+                pool, self.engine.process_request, request_id, prompt, params, priority, cache_salt, time.time()
             )
             self._commands.put(("add", processed))
             while True:
@@ -98,25 +112,9 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def call_in_engine(self, fn: Callable[[LLMEngine], Any], timeout: float = 30.0) -> Any:
-        """Runs fn(engine) on the engine thread (between steps) and returns its result."""
-        done = threading.Event()
-        box: dict[str, Any] = {}
-
-        def job(engine):
-            try:
-                box["value"] = fn(engine)
-            except BaseException as e:  # handed back to the caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        self._commands.put(("call", job))
-        if not done.wait(timeout):
-            raise TimeoutError("the engine did not answer in time")
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+    def abort_all(self, error: str) -> None:
+        """Ends every request in flight with an error (the drain deadline of a shutdown)."""
+        self._commands.put(("abort_all", error))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
@@ -134,7 +132,8 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.large_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- engine thread ------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -148,11 +147,7 @@ class AsyncLLM:
                 # block for work only when idle; otherwise just drain what arrived
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    for listener in self.step_listeners:
-                        listener(outputs)
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    self._publish(engine.step())
                 self.stats = engine.stats()
         except BaseException as e:  # a bug, not bad input: fail every open stream loudly
             logger.exception("engine thread died")
@@ -161,6 +156,17 @@ class AsyncLLM:
                 streams = list(self._streams)
             for rid in streams:
                 self._deliver(rid, EngineDeadError(f"engine failure: {e!r}"))
+            for listener in self.death_listeners:
+                listener(e)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(outputs)
+            except Exception:  # a listener (metrics) never stops the engine
+                logger.exception("step listener %r failed", listener)
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -181,18 +187,29 @@ class AsyncLLM:
                 return  # the client left while its media was being processed
             try:
                 engine.add_processed(payload)
-            except ValueError as e:
+            except ValueError as e:  # refused before anything was registered (a duplicate id)
+                self._deliver(payload.request_id, e)
+            except Exception as e:  # a fault: this request fails alone, leaving nothing behind
+                logger.exception("request %s could not be queued", payload.request_id)
+                engine.abort_request(payload.request_id)
                 self._deliver(payload.request_id, e)
         elif kind == "abort":
-            aborted = engine.abort_request(payload)
-            for listener in self.step_listeners:
-                listener(aborted)
-        elif kind == "call":
-            payload(engine)
+            self._publish(engine.abort_request(payload))
+        elif kind == "abort_all":
+            with self._lock:
+                ids = list(self._streams)
+            self._publish(engine.abort_request(ids, error=payload))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, out_queue = target
+            loop, out_queue, _ = target
             loop.call_soon_threadsafe(out_queue.put_nowait, item)
+
+
+def _prompt_chars(prompt: Any) -> int:
+    text = prompt if isinstance(prompt, str) else getattr(prompt, "prompt", None)
+    if isinstance(prompt, dict):
+        text = prompt.get("prompt")
+    return len(text) if isinstance(text, str) else 0

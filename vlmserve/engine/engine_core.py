@@ -26,6 +26,11 @@ class EngineCore:
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
+    def reset_caches(self) -> None:
+        """Forgets the prefix and encoder caches (the engine must be idle)."""
+        self.scheduler.reset_caches()
+        self.runner.clear_encoder_cache()
+
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_requests():
             return []

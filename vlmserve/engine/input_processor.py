@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.multimodal.inputs import MultiModalFeature
-from vlmserve.multimodal.processor import MultiModalProcessor, ProcessedMedia
+from vlmserve.multimodal.processor import MultiModalProcessor, ProcessedMedia, normalize_settings
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 
@@ -97,6 +97,9 @@ class InputProcessor:
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
         self.placeholder = {"image": mm_processor.image_token, "video": mm_processor.video_token}
         self.pad_id = {"image": mm_processor.image_token_id, "video": mm_processor.video_token_id}
+        # no token covers more characters than its longest entry in the vocabulary: a text
+        # longer than that many characters per token of context cannot fit, whatever it says
+        self.max_chars_per_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
         message_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.message_end_id = message_end if isinstance(message_end, int) and message_end >= 0 else None
 
@@ -112,6 +115,9 @@ class InputProcessor:
         inp = PromptInput.parse(prompt)
         if inp.prompt is None and inp.prompt_token_ids is None:
             raise ValueError("a prompt needs 'prompt' text or 'prompt_token_ids'")
+        if inp.prompt is not None:
+            self.check_text(inp.prompt)
+        normalize_settings(inp.mm_processor_kwargs)  # checked even when the prompt has no media
         for modality, items in inp.media.items():
             limit = self.limits.get(modality, 0)
             if len(items) > limit:
@@ -141,6 +147,20 @@ class InputProcessor:
         )
         request.cache_points = self._cache_points(token_ids, features)
         return request
+
+    def check_text(self, text: str) -> None:
+        """Cheap refusals before tokenizing: text that is not valid Unicode, or too long to
+        fit the context at the most characters a token can cover."""
+        if not isinstance(text, str):
+            raise ValueError(f"the prompt must be text, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid Unicode text (a lone surrogate {text[e.start]!r} at "
+                             f"character {e.start})") from None
+        if len(text) > self.max_model_len * self.max_chars_per_token:
+            raise ValueError(f"the prompt is {len(text)} characters, more than the model's context of "
+                             f"{self.max_model_len} tokens can hold")
 
     def _process_item(self, modality: str, source: Any, settings: dict[str, Any], index: int) -> ProcessedMedia:
         try:

@@ -14,11 +14,12 @@ from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.kv_cache_utils import make_block_hasher
-from vlmserve.core.scheduler import Scheduler, SchedulerStats
+from vlmserve.core.scheduler import Scheduler
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
 from vlmserve.engine.output_processor import OutputProcessor
+from vlmserve.engine.stats import EngineStats
 from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
@@ -64,6 +65,7 @@ class LLMEngine:
             self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
         )
         self.tokenizer = self.mm_processor.hf_processor.tokenizer
+        self.vocab_size = getattr(hf_config, "text_config", hf_config).vocab_size
 
         groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
         kv_config = self._kv_cache_config(groups)
@@ -172,11 +174,16 @@ class LLMEngine:
         """Validates and processes a request (media included); raises ValueError on bad
         input. Thread-safe and independent of the step loop: run it in a worker pool."""
         params = params or SamplingParams()
+        self.check_params(params)
         arrival_time = arrival_time or time.time()
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
         request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The model's checks of a request's sampling parameters (ParamError if bad)."""
+        params.verify(self.vocab_size, self.args.max_n)
 
     def add_processed(self, processed: ProcessedRequest) -> None:
         """Queues a processed request (on the thread that steps the engine)."""
@@ -197,30 +204,33 @@ class LLMEngine:
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         self.add_processed(self.process_request(request_id, prompt, params, priority, cache_salt, arrival_time))
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
+        """Ends requests (finish reason "abort"; `error` says why, if not the caller's
+        choice) and frees everything they hold."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
         for rid in request_ids:
             self.engine_core.abort_requests(self.output_processor.child_ids(rid))
-            out = self.output_processor.abort_request(rid)
+            out = self.output_processor.abort_request(rid, error=error)
             if out is not None:
                 outputs.append(out)
         return outputs
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.engine_core.abort_requests(stopped)
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:  # ended by a stop string, or failed in output processing
+            self.engine_core.abort_requests(to_abort)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished() or self.engine_core.has_requests()
 
     # -- views ---------------------------------------------------------------------------
-    def stats(self) -> SchedulerStats:
-        return self.engine_core.scheduler.make_stats()
+    def stats(self) -> EngineStats:
+        cache = self.mm_processor.cache.stats
+        return EngineStats.of(self.engine_core.scheduler.make_stats(), cache.hits, cache.misses)
 
     @property
     def encoder_runs(self) -> int:
@@ -230,8 +240,6 @@ class LLMEngine:
         """Forgets the prefix, encoder and processor caches (only when no request is running)."""
         if self.has_unfinished_requests():
             return False
-        self.engine_core.scheduler.kv_cache_manager.reset_prefix_cache()
-        self.engine_core.scheduler.encoder_cache_manager.reset()
-        self.engine_core.runner.encoder_cache.clear()
+        self.engine_core.reset_caches()
         self.mm_processor.cache.clear()
         return True

@@ -3,6 +3,7 @@ gathering the n samples of a request, timing."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.core.scheduler import EngineCoreOutput
 from vlmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vlmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # prompt tokens decoded with the first output tokens, so that tokenizers which drop a
 # leading space at the start of a decode (SentencePiece) get it right
@@ -147,8 +150,9 @@ class OutputProcessor:
         return [child_request_id(request_id, i, n) for i in range(n)]
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests' outputs, and engine-core requests to abort
-        because a stop string ended them."""
+        """Returns the updated requests' outputs, and engine-core requests to abort:
+        ended by a stop string, or failed here. A request whose output cannot be
+        processed (a detokenizer fault) fails alone, with an error."""
         now = time.time()
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
@@ -157,27 +161,14 @@ class OutputProcessor:
             if parent is None:
                 continue
             state = self.requests[parent[0]]
-            sample = state.samples[parent[1]]
-            if sample.finish_reason is not None:
-                continue
-            if parent[1] == 0:
-                state.num_cached_tokens = out.num_cached_tokens
-                if out.media_stats is not None:
-                    state.media_stats = out.media_stats
-            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = out.prompt_logprobs
-            if out.new_token_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
-                self._append_tokens(sample, out)
-            if out.error is not None:
-                state.error = out.error
-            if sample.finish_reason is None and out.finish_reason is not None:
-                sample.finish_reason = out.finish_reason.value
-                sample.stop_reason = out.stop_reason
-            elif sample.finish_reason is not None and out.finish_reason is None:
-                to_abort.append(out.request_id)  # ended by a stop string
+            try:
+                self._process_one(out, state, state.samples[parent[1]], now, to_abort)
+            except Exception as e:
+                logger.exception("request %s failed in output processing", state.request_id)
+                state.error = f"internal error: {type(e).__name__}: {e}"
+                for sample in state.samples:
+                    sample.finish_reason = sample.finish_reason or "error"
+                to_abort += self.child_ids(state.request_id)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -186,6 +177,31 @@ class OutputProcessor:
                 self._forget(state.request_id)
             outputs.append(state.output())
         return outputs, to_abort
+
+    def _process_one(self, out: EngineCoreOutput, state: _RequestState, sample: _Sample, now: float,
+                     to_abort: list[str]) -> None:
+        if sample.finish_reason is not None:
+            return
+        if sample.index == 0:
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.media_stats is not None:
+                state.media_stats = out.media_stats
+        if out.first_scheduled_time is not None and state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = out.first_scheduled_time
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = out.prompt_logprobs
+        if out.new_token_ids:
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            self._append_tokens(sample, out)
+        if out.error is not None:
+            state.error = out.error
+        if sample.finish_reason is None and out.finish_reason is not None:
+            sample.finish_reason = out.finish_reason.value
+            sample.stop_reason = out.stop_reason
+        elif sample.finish_reason is not None and out.finish_reason is None:
+            to_abort.append(out.request_id)  # ended by a stop string
 
     def _append_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:
         sample.token_ids.extend(out.new_token_ids)

@@ -35,7 +35,7 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ParsedChat:
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
         role = message["role"]
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise ValueError(f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}")
         content = message.get("content")
         if content is None:
@@ -58,6 +58,8 @@ def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
     if not isinstance(part, dict) or "type" not in part:
         raise ValueError(f"{where} must be an object with a 'type'")
     kind = part["type"]
+    if not isinstance(kind, str):
+        raise ValueError(f"{where}.type must be a string, got {type(kind).__name__}")
     if kind == "text":
         text = part.get("text")
         if not isinstance(text, str):

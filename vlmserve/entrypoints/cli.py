@@ -36,6 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-n", type=int, default=d.max_n, help="most completions one request may ask for (n)")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory-gb")
@@ -59,6 +60,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="R,G,B under transparent pixels")
 
 
+def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
+    """The HTTP server's flags (serve, and ui with the engine in-process)."""
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=port)
+    h.add_argument("--served-model-name", default=None)
+    h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
+    h.add_argument("--max-pending-requests", type=int, default=512,
+                   help="completions in flight (n counts n times); beyond this, answer 429")
+    h.add_argument("--max-request-mb", type=int, default=64, help="larger request bodies get 413")
+    h.add_argument("--max-connections", type=int, default=1024, help="requests served at once; beyond, 503")
+    h.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers")
+    h.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request may take to send its body")
+    h.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they are cut off")
+    h.add_argument("--log-level", default="INFO")
+
+
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model,
@@ -67,6 +87,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_n=args.max_n,
         block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         num_kv_blocks=args.num_kv_blocks,
@@ -85,19 +106,13 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1")
-    serve.add_argument("--max-pending-requests", type=int, default=512, help="beyond this, answer 429")
-    serve.add_argument("--max-request-mb", type=int, default=64, help="larger request bodies get 413")
-    serve.add_argument("--log-level", default="INFO")
+    add_http_args(serve, port=8000)
 
     caption = sub.add_parser("caption", help="caption images and videos into a JSONL file")
     add_engine_args(caption)
@@ -107,20 +122,19 @@ def main(argv: list[str] | None = None) -> int:
 
     ui = sub.add_parser("ui", help="Gradio chat UI (with the engine in-process, or for --api-base)")
     add_engine_args(ui)
+    add_http_args(ui, port=7860)
     ui.add_argument("--api-base", default=None, help="an OpenAI-compatible server to talk to (else: in-process)")
-    ui.add_argument("--api-key", default=None)
-    ui.add_argument("--served-model-name", default=None)
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=7860)
     ui.add_argument("--samples", default=None, help="folder of sample pictures with answers.json")
-    ui.add_argument("--log-level", default="INFO")
 
     evaluate = sub.add_parser("eval", help="score a model on a held-out set of the shapes world")
     from vlmserve.training.evaluate import add_eval_args
 
     add_eval_args(evaluate)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command in ("caption", "eval") else "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":

@@ -14,6 +14,7 @@ import binascii
 import http.client
 import io
 import os
+import re
 import socket
 import threading
 import urllib.error
@@ -209,6 +210,10 @@ class MediaLoader:
                 data, what = _decode_data_url(source), f"{kind} data URL"
             elif source.startswith(("http://", "https://")):
                 data, what = self._fetch(source, max_bytes), source
+            elif re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", source) and not source.startswith("file://"):
+                scheme = source.split("://", 1)[0]
+                raise MediaError(f"unsupported URL scheme {scheme!r} in {kind} URL: use http(s), a data URL or a "
+                                 f"local file")
             else:
                 path = source[len("file://") :] if source.startswith("file://") else source
                 data, what = self._read_local(path, max_bytes), path

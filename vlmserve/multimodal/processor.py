@@ -4,6 +4,7 @@ exactly), behind a processor cache keyed by mm_hash."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from vlmserve.multimodal.media import MediaError, MediaLoader, RawMedia
 # OpenAI's detail="low": a small pixel budget (256 patches of 14 px before merging)
 LOW_DETAIL_MAX_PIXELS = 256 * 14 * 14
 _SETTINGS = {"min_pixels", "max_pixels", "fps"}
+MAX_PIXELS_SETTING = 1 << 30
 
 
 @dataclass
@@ -80,6 +82,8 @@ class ProcessorCache:
 
 def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """Per-request processing settings in canonical form (they enter the mm_hash)."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"media processing settings must be an object, got {type(settings).__name__}")
     settings = dict(settings)
     detail = settings.pop("detail", None)
     if detail not in (None, "auto", "high", "low"):
@@ -91,10 +95,13 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
     for key, value in settings.items():
         if value is None:
             continue
-        number = float(value) if key == "fps" else int(value)
-        if number <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-        out[key] = number
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if key != "fps":  # pixel counts: whole numbers, at most a gigapixel
+            ok = ok and float(value).is_integer() and value <= MAX_PIXELS_SETTING
+        if not ok:
+            kind = "a finite number" if key == "fps" else f"a whole number up to {MAX_PIXELS_SETTING}"
+            raise ValueError(f"{key} must be {kind} above 0, got {value!r}")
+        out[key] = float(value) if key == "fps" else int(value)
     if "min_pixels" in out and "max_pixels" in out and out["min_pixels"] > out["max_pixels"]:
         raise ValueError(f"min_pixels ({out['min_pixels']}) is larger than max_pixels ({out['max_pixels']})")
     if detail == "low":  # a cap under the model's own one, whatever that is: applied in _size_kwargs

@@ -95,6 +95,9 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
+    def clear_encoder_cache(self) -> None:
+        self.encoder_cache.clear()
+
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -4,39 +4,47 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
 import logging
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve import __version__
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.entrypoints.chat_utils import render_chat
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
-from vlmserve.metrics import EngineMetrics
-from vlmserve.outputs import RequestOutput
+from vlmserve.metrics import CONTENT_TYPE, EngineMetrics
+from vlmserve.outputs import CompletionOutput, RequestOutput
+from vlmserve.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_ERROR = "the server is shutting down; the request was cut off at the drain deadline"
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready."""
+
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None,
-                 max_request_bytes: int = 64 << 20, drain_timeout: float = 30.0) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
-        self.max_request_bytes = max_request_bytes
-        self.drain_timeout = drain_timeout
         self.tokenizer = engine.engine.tokenizer
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(lambda: engine.stats)
         engine.step_listeners.append(self.metrics.on_step)
         self.created = int(time.time())
 
@@ -45,29 +53,16 @@ class OpenAIServer:
         @asynccontextmanager
         async def lifespan(app: FastAPI):
             yield
-            # shutting down (Ctrl-C / SIGTERM): let in-flight requests finish, then stop the engine
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.wait_idle, self.drain_timeout)
-            self.engine.shutdown()
+            self.engine.shutdown()  # uvicorn has drained the requests in flight
 
         app = FastAPI(title="vlmserve", version=__version__, lifespan=lifespan)
+        app.exception_handler(OpenAIError)(self._openai_error)
+        app.exception_handler(RequestValidationError)(self._validation_error)
+        app.exception_handler(StarletteHTTPException)(self._http_error)
+        app.exception_handler(ClientGone)(self._client_gone)
+        app.exception_handler(Exception)(self._internal_error)
 
-        @app.exception_handler(OpenAIError)
-        async def openai_error(request: Request, exc: OpenAIError):
-            return JSONResponse(exc.body(), status_code=exc.status)
-
-        @app.exception_handler(Exception)
-        async def internal_error(request: Request, exc: Exception):
-            logger.exception("unhandled error on %s", request.url.path)
-            return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
-
-        # a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
-        # connection so that the endpoint never sees a client hang up
-        async def check_key(request: Request) -> None:
-            if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-                raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                  code="invalid_api_key")
-
-        keyed = [Depends(check_key)]
+        keyed = [Depends(self._check_key)]
         app.get("/health")(self.health)
         app.get("/version")(lambda: {"version": __version__})
         app.get("/metrics")(self.metrics_endpoint)
@@ -76,17 +71,60 @@ class OpenAIServer:
         app.post("/v1/completions", dependencies=keyed)(self.completions)
         return app
 
+    # -- errors, all in OpenAI's format ------------------------------------------------------------
+    @staticmethod
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @staticmethod
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(x) for x in first["loc"] if x != "body"]
+        where = ".".join(loc)
+        if first["type"] == "json_invalid":
+            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        elif not loc:
+            message = f"the request body must be a JSON object ({first['msg']})"
+        else:
+            message = f"{where}: {first['msg']}"
+        return JSONResponse(OpenAIError(400, message, param=where or None).body(), status_code=400)
+
+    @staticmethod
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+            message[400] = f"request body is not valid JSON: {type(exc.__cause__).__name__}: {exc.__cause__}"
+        body = OpenAIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @staticmethod
+    async def _client_gone(request: Request, exc: ClientGone):
+        logger.info("client hung up on %s; its request was aborted", request.url.path)
+        return Response(status_code=499)  # nobody reads it
+
+    @staticmethod
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    # a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
+    # connection so that the endpoint never sees a client hang up
+    async def _check_key(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                              code="invalid_api_key")
+
+    # -- small routes ----------------------------------------------------------------------------
     async def health(self):
         if not self.engine.is_alive():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
     async def metrics_endpoint(self):
-        engine = self.engine.engine
-        kinds = [type(g.spec).__name__ for g in engine.engine_core.scheduler.kv_cache_manager.config.groups]
-        cache = engine.mm_processor.cache.stats
-        text = self.metrics.render(self.engine.stats, kinds, cache.hits, cache.misses)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self):
         return {"object": "list", "data": [{
@@ -95,33 +133,17 @@ class OpenAIServer:
         }]}
 
     # -- shared request handling ---------------------------------------------------------------------
-    async def _body(self, request: Request, model_cls):
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_request_bytes:
-            raise OpenAIError(413, f"request body is {declared} bytes, over the {self.max_request_bytes}-byte limit")
-        raw = await request.body()
-        if len(raw) > self.max_request_bytes:
-            raise OpenAIError(413, f"request body is over the {self.max_request_bytes}-byte limit")
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
-        try:
-            parsed = model_cls.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise OpenAIError(400, f"{where}: {first['msg']}", param=where) from None
-        if parsed.model is not None and parsed.model != self.model_name:
-            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+    def _check_model(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise OpenAIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
-        return parsed
 
-    def _params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None):
+    @staticmethod
+    def _params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None, default_max: int | None):
         try:
-            return req.sampling_params(max_tokens, logprobs, default_max=None)
-        except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            return req.sampling_params(max_tokens, logprobs, default_max=default_max)
+        except ParamError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
 
     async def _start(self, request_id: str, prompt: PromptInput, params, req: SamplingRequest):
         """Starts generation and waits for its first output, so that bad input is answered
@@ -129,6 +151,8 @@ class OpenAIServer:
         gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt)
         try:
             first = await gen.__anext__()
+        except ParamError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         except QueueFullError as e:
@@ -145,19 +169,22 @@ class OpenAIServer:
                 last = out
             return last
 
-        task = asyncio.ensure_future(consume()) if not first.finished else None
-        if task is None:
-            final = first
-        else:
+        final = first
+        if not first.finished:
+            task = asyncio.ensure_future(consume())
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if not done and await request.is_disconnected():
-                    task.cancel()
-                    await gen.aclose()
-                    raise OpenAIError(400, "client disconnected")
-            final = task.result()
+                    task.cancel()  # the generator's own clean-up aborts the request
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ClientGone
+            try:
+                final = task.result()
+            except EngineDeadError as e:
+                raise OpenAIError(503, str(e)) from None
         if final.error or any(c.finish_reason == "error" for c in final.outputs):
-            raise OpenAIError(500, final.error or "the request failed in the engine")
+            raise _output_error(final)
         return final
 
     @staticmethod
@@ -197,9 +224,49 @@ class OpenAIServer:
     def _sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
+    async def _stream(self, first: RequestOutput, gen: AsyncIterator[RequestOutput], base: dict[str, Any],
+                      include_usage: bool, choice: Callable[[CompletionOutput, str, int], dict[str, Any]],
+                      preamble: list[dict[str, Any]] = ()) -> AsyncIterator[str]:
+        """Server-sent events of one request, chat or completion: a chunk per choice with
+        new text or tokens (`choice(output, new_text, first_new_token)` shapes it), an error
+        event if the request failed, the usage if asked, then [DONE]."""
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        try:
+            for chunk in preamble:
+                yield self._sse({**base, "choices": [chunk]})
+            out = first
+            while True:
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    text = c.text[sent_text.get(c.index, 0):]
+                    new_from = sent_tokens.get(c.index, 0)
+                    if not text and len(c.token_ids) == new_from and c.finish_reason is None:
+                        continue
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(c.index)
+                    yield self._sse({**base, "choices": [choice(c, text, new_from)]})
+                if out.finished:
+                    break
+                try:
+                    out = await gen.__anext__()
+                except EngineDeadError as e:
+                    yield self._sse(OpenAIError(503, str(e)).body())
+                    break
+            if out.error or any(c.finish_reason == "error" for c in out.outputs):
+                yield self._sse(_output_error(out).body())
+            if include_usage:
+                yield self._sse({**base, "choices": [], "usage": self._usage(out)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()  # a client that hung up: aborts the request
+
     # -- /v1/chat/completions ---------------------------------------------------------------------------
-    async def chat_completions(self, request: Request):
-        req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        self._check_model(req)
         try:
             prompt = render_chat(self.engine.engine.mm_processor.hf_processor, req.messages,
                                  req.add_generation_prompt, req.chat_template_kwargs)
@@ -207,12 +274,24 @@ class OpenAIServer:
             raise OpenAIError(400, str(e), param="messages") from None
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, max_tokens, logprobs, default_max=None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first, gen = await self._start(request_id, prompt, params, req)
         if req.stream:
+            def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
+                logprobs = None
+                if c.logprobs is not None and len(c.token_ids) > new_from:
+                    logprobs = self._chat_logprobs(c.logprobs[new_from:])
+                return {"index": c.index, "delta": {"content": text} if text else {},
+                        "finish_reason": c.finish_reason, "logprobs": logprobs}
+
+            base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": self.model_name}
+            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                      "logprobs": None} for c in first.outputs]
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._chat_stream(request_id, first, gen, include_usage),
+            return StreamingResponse(self._stream(first, gen, base, include_usage, chunk, roles),
                                      media_type="text/event-stream")
         final = await self._final(first, gen, request)
         choices = []
@@ -225,48 +304,9 @@ class OpenAIServer:
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(final)}
 
-    async def _chat_stream(self, request_id, first, gen, include_usage) -> AsyncIterator[str]:
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        for c in first.outputs:
-            yield self._sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                  "finish_reason": None, "logprobs": None}]})
-        try:
-            last = out = first
-            while True:
-                last = out
-                for c in out.outputs:
-                    if c.index in done:
-                        continue
-                    text_delta = c.text[sent_text.get(c.index, 0):]
-                    new_from = sent_tokens.get(c.index, 0)
-                    if not text_delta and len(c.token_ids) == new_from and c.finish_reason is None:
-                        continue
-                    choice = {"index": c.index, "delta": {"content": text_delta} if text_delta else {},
-                              "finish_reason": c.finish_reason, "logprobs": None}
-                    if c.logprobs is not None and len(c.token_ids) > new_from:
-                        choice["logprobs"] = self._chat_logprobs(c.logprobs[new_from:])
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    if c.finish_reason is not None:
-                        done.add(c.index)
-                    yield self._sse({**base, "choices": [choice]})
-                if out.finished:
-                    break
-                out = await gen.__anext__()
-            if any(c.finish_reason == "error" for c in last.outputs):
-                err = OpenAIError(500, last.error or "the request failed in the engine")
-                yield self._sse(err.body())
-            if include_usage:
-                yield self._sse({**base, "choices": [], "usage": self._usage(last)})
-            yield "data: [DONE]\n\n"
-        finally:
-            await gen.aclose()  # a client that hung up: aborts the request
-
     # -- /v1/completions ------------------------------------------------------------------------------------
-    async def completions(self, request: Request):
-        req: CompletionRequest = await self._body(request, CompletionRequest)
+    async def completions(self, req: CompletionRequest, request: Request):
+        self._check_model(req)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt = PromptInput(prompt_token_ids=list(req.prompt))
         elif isinstance(req.prompt, list):
@@ -276,12 +316,16 @@ class OpenAIServer:
         else:
             prompt = PromptInput(prompt=req.prompt)
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
-        params = self._params(req, req.max_tokens or 16, req.logprobs)
+        params = self._params(req, req.max_tokens, req.logprobs, default_max=16)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         first, gen = await self._start(request_id, prompt, params, req)
         if req.stream:
+            def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
+                return {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
+
+            base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._completion_stream(request_id, first, gen, include_usage),
+            return StreamingResponse(self._stream(first, gen, base, include_usage, chunk),
                                      media_type="text/event-stream")
         final = await self._final(first, gen, request)
         choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
@@ -290,45 +334,45 @@ class OpenAIServer:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(final)}
 
-    async def _completion_stream(self, request_id, first, gen, include_usage) -> AsyncIterator[str]:
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        sent: dict[int, int] = {}
-        done: set[int] = set()
-        try:
-            out = first
-            while True:
-                for c in out.outputs:
-                    if c.index in done:
-                        continue
-                    delta = c.text[sent.get(c.index, 0):]
-                    if delta or c.finish_reason:
-                        yield self._sse({**base, "choices": [{"index": c.index, "text": delta,
-                                                             "finish_reason": c.finish_reason, "logprobs": None}]})
-                        sent[c.index] = len(c.text)
-                        if c.finish_reason:
-                            done.add(c.index)
-                if out.finished:
-                    break
-                out = await gen.__anext__()
-            if include_usage:
-                yield self._sse({**base, "choices": [], "usage": self._usage(out)})
-            yield "data: [DONE]\n\n"
-        finally:
-            await gen.aclose()
+
+def _output_error(out: RequestOutput) -> OpenAIError:
+    """A request the engine ended with an error: a fault (500) or the shutdown (503)."""
+    message = out.error or "the request failed in the engine"
+    return OpenAIError(503 if message == SHUTDOWN_ERROR else 500, message)
+
+
+def serve_engine_app(engine: AsyncLLM, app: FastAPI, args) -> None:
+    """Serves `app` (the API, or the UI with the API) until Ctrl-C / SIGTERM; exits
+    non-zero if the engine dies, so that a supervisor restarts the process."""
+    from vlmserve.entrypoints.http import HTTPLimits, make_server
+
+    limits = HTTPLimits(max_body_bytes=args.max_request_mb << 20, max_connections=args.max_connections,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                        drain_timeout=args.drain_timeout)
+    server = make_server(app, args.host, args.port, args.log_level, limits,
+                         on_drain_deadline=lambda: engine.abort_all(SHUTDOWN_ERROR))
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        died.append(error)
+        server.stop_now()
+
+    engine.death_listeners.append(on_death)
+    server.run()
+    if died:
+        logger.error("the engine died (%r): exiting so that a supervisor can restart the server", died[0])
+        sys.exit(1)
 
 
 def run_server(args) -> None:
     """`vlmserve serve`: builds the engine, then serves until Ctrl-C / SIGTERM."""
-    import uvicorn
-
     from vlmserve.entrypoints.cli import engine_args_from
 
     engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
     name = args.served_model_name or _default_name(engine.engine.model_path)
-    server = OpenAIServer(engine, name, api_key=args.api_key, max_request_bytes=args.max_request_mb << 20)
+    server = OpenAIServer(engine, name, api_key=args.api_key)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.run(server.build_app(), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=30)
+    serve_engine_app(engine, server.build_app(), args)
 
 
 def _default_name(path: str) -> str:

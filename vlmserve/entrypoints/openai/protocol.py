@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vlmserve.sampling_params import SamplingParams
 
@@ -34,9 +34,10 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by chat and text completions (vLLM-style extensions included)."""
+    """Fields shared by chat and text completions (vLLM-style extensions included).
+    Ranges are checked by SamplingParams, in one place for the API and `LLM`."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
@@ -58,6 +59,12 @@ class SamplingRequest(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     user: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalties(cls, v: float) -> float:
@@ -73,7 +80,7 @@ class SamplingRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             seed=self.seed,
-            max_tokens=max_tokens or default_max,
+            max_tokens=default_max if max_tokens is None else max_tokens,
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
