@@ -76,3 +76,57 @@ def median_time(fn, repeats: int) -> tuple[float, list[float]]:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times), times
+
+
+# -- the peer workload (issue 18): one mixed multimodal workload for every engine --------------
+SYSTEM_PROMPT = ("You are a careful assistant that looks at pictures. Answer in plain sentences, say what you see, "
+                 "where it is and what colour it has, and never make up what is not in the picture.")
+
+
+def peer_checkpoint(family: str) -> str:
+    """The peer benchmark's checkpoints, built once and cached (random weights, real
+    architectures; head sizes vLLM-CPU takes):
+    - qwen2_5_vl: 29M Qwen2.5-VL, text hidden 512, 8 layers, 8 heads / 2 KV heads of 64,
+      MLP 1408; vision depth 4, width 256;
+    - qwen3_5: a Qwen3.5 hybrid of about that size, 8 layers (Gated DeltaNet x3, then gated
+      attention, twice), attention heads of 64, DeltaNet 4 key / 8 value heads of 64."""
+    from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
+
+    path = CACHE / f"peer-{family}-v1"
+    if (path / "model.safetensors").exists():
+        return str(path)
+    if family == "qwen2_5_vl":
+        build_qwen2_5_vl(path, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1408,
+                         sliding_window=None, vision_hidden=256, vision_depth=4, vision_heads=4,
+                         max_pixels=320 * 320, min_pixels=56 * 56, vocab_size=4096, seed=0)
+    elif family == "qwen3_5":
+        lin, full = "linear_attention", "full_attention"
+        build_qwen3_5(path, hidden_size=512, layer_types=(lin, lin, lin, full) * 2, num_heads=8, num_kv_heads=2,
+                      head_dim=64, intermediate_size=1408, linear_heads=(4, 8), linear_head_dim=64,
+                      vision_hidden=256, vision_depth=4, vision_heads=4, max_pixels=320 * 320, min_pixels=64 * 64,
+                      vocab_size=4096, seed=0)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    return str(path)
+
+
+def peer_workload(n: int = 256, seed: int = 0) -> tuple[list[dict], list[Image.Image]]:
+    """n chat requests over 64 distinct pictures (each side 160-320 px): one shared
+    system prompt; 0, 1 or 2 pictures per request (15 / 70 / 15%); 8-64 output tokens.
+    Returns the requests ({"question", "pictures": indices, "max_tokens"}) and the pictures."""
+    rng = random.Random(seed)
+    pictures = [synthetic_image(rng.randint(160, 320), rng.randint(160, 320), seed=1000 + i) for i in range(64)]
+    requests = []
+    for _ in range(n):
+        r = rng.random()
+        count = 0 if r < 0.15 else 1 if r < 0.85 else 2
+        requests.append({"question": rng.choice(QUESTIONS), "pictures": [rng.randrange(64) for _ in range(count)],
+                         "max_tokens": rng.randint(8, 64)})
+    return requests, pictures
+
+
+def render_prompt(processor, request: dict) -> str:
+    """The request as prompt text, by the checkpoint's chat template (the same for every engine)."""
+    content = [{"type": "image"}] * len(request["pictures"]) + [{"type": "text", "text": request["question"]}]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

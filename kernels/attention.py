@@ -1,9 +1,12 @@
-"""Attention over the paged KV cache (decode and prefill, full or sliding window), and
-packed variable-length attention for the vision tower.
+"""Attention over the paged KV cache (a mixed batch of decodes and prefills, full or
+sliding window, grouped-query), and packed variable-length attention for the vision tower.
 
-KV cache layout, per layer: keys and values of shape [num_blocks, block_size,
-num_kv_heads, head_dim]; token t of a request lives in slot
-block_table[t // block_size] * block_size + t % block_size.
+KV cache layout, per layer: keys [num_blocks, num_kv_heads, head_dim, block_size] (each
+block's keys transposed, so that a query's scores against a block are head_dim vector
+multiply-adds over the block's tokens), values [num_blocks, num_kv_heads, block_size,
+head_dim]; a block of one head is contiguous in both. Token t of a request lives in slot
+block_table[t // block_size] * block_size + t % block_size: block slot // block_size,
+offset slot % block_size.
 """
 
 from __future__ import annotations
@@ -14,17 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.registry import register
-
-
-@dataclass
-class PrefillSeq:
-    """One request with several query tokens this step."""
-
-    query_start: int
-    query_len: int
-    kv_slots: torch.Tensor | None  # [kv_len] slots of the keys it sees; None: only its own new tokens
-    mask: torch.Tensor | None  # [query_len, kv_len] bool (True = visible); None: plain causal
 
 
 @dataclass
@@ -32,81 +26,76 @@ class AttentionMetadata:
     """Where this step's tokens go in one KV cache group and which keys each query sees.
 
     Built once per step per group by `build_attention_metadata`, shared by the group's
-    layers. Requests are laid out decodes first (one query token each), then prefills.
-    Decodes read whole blocks (one row copy per block is much cheaper than one per
-    token); the mask hides the positions of those blocks a query must not see.
+    layers. Sequence i has query tokens q[query_start[i]:query_start[i + 1]], the last
+    ones of its seq_lens[i] tokens (the cache holds all of them once this step's keys
+    are written); its blocks are block_tables[i] (null-padded). A query at position p
+    sees the keys at [max(0, p - window + 1), p] (window 0: all of [0, p]).
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] slot of each new token
-    num_decodes: int
-    decode_blocks: torch.Tensor | None  # [num_decodes, blocks] block ids (null-padded)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] bool
-    prefills: list[PrefillSeq]
-
-
-def _slots(block_table: np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
-    pos = np.arange(start, end)
-    return block_table[pos // block_size] * block_size + pos % block_size
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    sliding_window: int  # 0: none
+    query_start_host: list[int]  # the same on the host, for the portable implementation
+    seq_lens_host: list[int]
 
 
 def build_attention_metadata(
-    block_tables: list[np.ndarray],
-    num_computed: list[int],
-    query_lens: list[int],
+    block_tables: np.ndarray,
+    num_computed: list[int] | np.ndarray,
+    query_lens: list[int] | np.ndarray,
     block_size: int,
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """block_tables[i]: block ids of request i; it has num_computed[i] tokens in the cache
-    and query_lens[i] new ones this step. Requests with query_len 1 must come first."""
-    window = sliding_window or 1 << 62
-    slot_mapping = np.concatenate(
-        [_slots(bt, c, c + q, block_size) for bt, c, q in zip(block_tables, num_computed, query_lens)]
-    ) if block_tables else np.zeros(0, dtype=np.int64)
-
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    assert all(q > 1 for q in query_lens[num_decodes:]), "decodes must come first"
-
-    decode_blocks = decode_mask = None
-    if num_decodes:
-        seq_lens = np.array([c + 1 for c in num_computed[:num_decodes]])
-        first_visible = np.maximum(seq_lens - window, 0)
-        first_block = first_visible // block_size
-        last_block = (seq_lens - 1) // block_size
-        width = int((last_block - first_block).max()) + 1
-        blocks = np.zeros((num_decodes, width), dtype=np.int64)  # 0: the null block
-        for i in range(num_decodes):
-            row = block_tables[i][first_block[i] : last_block[i] + 1]
-            blocks[i, : len(row)] = row
-        pos = first_block[:, None] * block_size + np.arange(width * block_size)[None, :]
-        mask = (pos >= first_visible[:, None]) & (pos < seq_lens[:, None])
-        decode_blocks = torch.from_numpy(blocks).to(device)
-        decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
-
-    prefills = []
-    query_start = num_decodes
-    for i in range(num_decodes, len(query_lens)):
-        c, q = num_computed[i], query_lens[i]
-        q_pos = np.arange(c, c + q)
-        kv_start = max(c - window + 1, 0)
-        if c == 0 and q <= window:
-            kv_slots = mask = None  # attends to its own new tokens only, causally
-        else:
-            kv_pos = np.arange(kv_start, c + q)
-            visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
-            mask = torch.from_numpy(visible).to(device)
-            kv_slots = None if c == 0 else torch.from_numpy(_slots(block_tables[i], kv_start, c + q, block_size)).to(device)
-        prefills.append(PrefillSeq(query_start, q, kv_slots, mask))
-        query_start += q
+    """block_tables[i]: block ids of request i (a 2-D array, null-padded); it has
+    num_computed[i] tokens in the cache and query_lens[i] new ones this step."""
+    num_computed = np.asarray(num_computed, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    tables = np.asarray(block_tables, dtype=np.int64).reshape(len(query_lens), -1)
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    pos = np.arange(int(query_start[-1])) - query_start[seq_of_token] + num_computed[seq_of_token]
+    slots = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    seq_lens = num_computed + query_lens
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        num_decodes=num_decodes,
-        decode_blocks=decode_blocks,
-        decode_mask=decode_mask,
-        prefills=prefills,
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+        query_start=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        sliding_window=int(sliding_window or 0),
+        query_start_host=query_start.tolist(),
+        seq_lens_host=seq_lens.tolist(),
     )
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one layer's key and value caches (see the module's docstring)."""
+    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def keys_by_token(k_cache: torch.Tensor) -> torch.Tensor:
+    """The key cache as [num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
+    return k_cache.permute(0, 3, 1, 2)
+
+
+def values_by_token(v_cache: torch.Tensor) -> torch.Tensor:
+    """The value cache as [num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
+    return v_cache.transpose(1, 2)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Stores this step's keys and values at their slots. Every token of the batch is
+    written before any is read: a request may read blocks another request of this step
+    is filling (a prefix hit on blocks cached this step)."""
+    block_size = v_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    keys_by_token(k_cache)[blocks, offsets] = k
+    values_by_token(v_cache)[blocks, offsets] = v
 
 
 @register("paged_attention")
@@ -120,65 +109,51 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] (this step's). Writes k/v into
-    the cache, then attends. Returns [tokens, q_heads, d]."""
+    the cache, then attends. Returns [tokens, q_heads, d].
+
+    The portable version (and the reference of the others): each sequence's visible keys
+    gathered from the cache, then torch's attention with an explicit mask."""
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    row = num_kv_heads * head_dim
-    kc = k_cache.view(-1, row)  # one row per slot
-    vc = v_cache.view(-1, row)
-    # every token of the batch is written before any is read: a request may read blocks
-    # another request of this step is filling (a prefix hit on blocks cached this step)
-    kc.index_copy_(0, meta.slot_mapping, k.reshape(-1, row))
-    vc.index_copy_(0, meta.slot_mapping, v.reshape(-1, row))
-    gqa = q.shape[1] != num_kv_heads
+    block_size = v_cache.shape[2]
+    keys, values = keys_by_token(k_cache), values_by_token(v_cache)
+    window = meta.sliding_window or 1 << 62
     out = torch.empty_like(q)
-
-    nd = meta.num_decodes
-    if nd:
-        num_blocks, width = k_cache.shape[0], meta.decode_blocks.shape[1]
-        flat_blocks = meta.decode_blocks.view(-1)
-        keys = k_cache.view(num_blocks, -1).index_select(0, flat_blocks).view(nd, -1, num_kv_heads, head_dim)
-        values = v_cache.view(num_blocks, -1).index_select(0, flat_blocks).view(nd, -1, num_kv_heads, head_dim)
-        out[:nd] = _decode_attention(q[:nd], keys, values, meta.decode_mask, scale)
-
-    for p in meta.prefills:
-        s, e = p.query_start, p.query_start + p.query_len
-        if p.kv_slots is None:
-            keys, values = k[s:e], v[s:e]
-        else:
-            keys = kc.index_select(0, p.kv_slots).view(-1, num_kv_heads, head_dim)
-            values = vc.index_select(0, p.kv_slots).view(-1, num_kv_heads, head_dim)
+    starts = meta.query_start_host
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        s, e = starts[i], starts[i + 1]
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+        first = max(seq_len - (e - s) - window + 1, 0)
+        kv_pos = torch.arange(first, seq_len, device=q.device)
+        blocks, offsets = meta.block_tables[i].long()[kv_pos // block_size], kv_pos % block_size
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
         o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
+            q[s:e].transpose(0, 1).unsqueeze(0).float(),
+            keys[blocks, offsets].transpose(0, 1).unsqueeze(0).float(),
+            values[blocks, offsets].transpose(0, 1).unsqueeze(0).float(),
+            attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != num_kv_heads,
         )
-        out[s:e] = o[0].transpose(0, 1)
+        out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
 
 
-def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+@register("paged_attention", "cpu")
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
-    """q: [B, q_heads, d]; keys/values: [B, L, kv_heads, d]; mask: [B, 1, 1, L].
-
-    Runs torch's fused CPU kernel in fp32: for one query token per sequence it is several
-    times faster than its bf16 variant, and the upcast rides on the copy the gather makes.
-    The query heads that share a KV head are passed as that head's query positions
-    (the mask hides the same keys from all of them): one [group, L] product per KV head
-    instead of a GQA broadcast, over 2x faster on CPU.
-    """
-    batch, q_heads, head_dim = q.shape
-    kv_heads = keys.shape[2]
-    o = F.scaled_dot_product_attention(
-        q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim),
-        keys.float().transpose(1, 2), values.float().transpose(1, 2),
-        attn_mask=mask, scale=scale,
-    )
-    return o.reshape(batch, q_heads, head_dim).to(q.dtype)
+    """The C++ kernel (kernels/csrc/paged_attention.cpp): the cache read in place, fp32
+    accumulation; the portable version where it could not be built."""
+    if not cpu_extension.available():
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                                  meta.seq_lens, meta.sliding_window, scale)
 
 
 @register("varlen_attention")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.registry import register
 
 CHUNK = 64
@@ -23,7 +24,8 @@ CHUNK = 64
 
 @dataclass
 class PrefillGroup:
-    """Prefills of equal length and equal has-a-prior-state, computed as one batch."""
+    """Prefills of equal length and equal has-a-prior-state, computed as one batch (by
+    the portable implementation)."""
 
     token_index: torch.Tensor  # [B, length]: where each sequence's tokens sit in the step
     slots: torch.Tensor  # [B] state slots
@@ -32,9 +34,14 @@ class PrefillGroup:
 
 @dataclass
 class RecurrentMetadata:
-    """Which state slot each request of the step uses; requests are laid out decodes
-    first (one token each, batched), then prefills (batched by length)."""
+    """Which state slot each request of the step uses. Sequence i has the step's tokens
+    [query_start[i], query_start[i + 1]) and resumes its slot's state if has_state[i]
+    (else starts from zeros). For the portable implementation, the same grouped: decodes
+    (one token each) first, then prefills batched by length."""
 
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    slots: torch.Tensor  # [num_seqs] int64
+    has_state: torch.Tensor  # [num_seqs] bool
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes]
     prefill_groups: list[PrefillGroup]
@@ -43,6 +50,7 @@ class RecurrentMetadata:
 def build_recurrent_metadata(
     slots: list[int], num_computed: list[int], query_lens: list[int], device: torch.device | str = "cpu"
 ) -> RecurrentMetadata:
+    """Requests with one token (decodes) must come first."""
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
@@ -61,8 +69,70 @@ def build_recurrent_metadata(
         )
         for (length, has_state), (starts, group_slots) in groups.items()
     ]
-    return RecurrentMetadata(num_decodes, torch.tensor(slots[:num_decodes], dtype=torch.long, device=device),
-                             prefill_groups)
+    query_start = [0]
+    for q in query_lens:
+        query_start.append(query_start[-1] + q)
+    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    return RecurrentMetadata(
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        slots=slots_t,
+        has_state=torch.tensor([c > 0 for c in num_computed], dtype=torch.bool, device=device),
+        num_decodes=num_decodes,
+        decode_slots=slots_t[:num_decodes],
+        prefill_groups=prefill_groups,
+    )
+
+
+@register("causal_conv1d")
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                  meta: RecurrentMetadata) -> torch.Tensor:
+    """The step's tokens x [T, C] through each sequence's causal conv (weight [C, K]) and
+    silu; conv_state [slots, C, K-1] is read and updated in its slots."""
+    out = torch.empty_like(x)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd], conv_state[meta.decode_slots] = causal_conv1d_decode(x[:nd], weight, conv_state[meta.decode_slots])
+    for group in meta.prefill_groups:
+        init = conv_state[group.slots] if group.has_state else None
+        out[group.token_index], conv_state[group.slots] = causal_conv1d_prefill(x[group.token_index], weight, init)
+    return out
+
+
+@register("causal_conv1d", "cpu")
+def causal_conv1d_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      meta: RecurrentMetadata) -> torch.Tensor:
+    if not cpu_extension.available():
+        return causal_conv1d(x, weight, conv_state, meta)
+    return torch.ops.vlmserve_cpu.causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state)
+
+
+@register("gated_delta_rule")
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """The step's tokens (q, k [T, Hk, dk]; v [T, H, dv]; g, beta [T, H]) through each
+    sequence's gated delta rule; state [slots, H, dk, dv] (fp32) is read and updated in
+    its slots. Returns o [T, H, dv] in v's dtype."""
+    out = torch.empty_like(v)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd], state[meta.decode_slots] = recurrent_gated_delta_rule(
+            q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], state[meta.decode_slots])
+    for group in meta.prefill_groups:
+        idx = group.token_index
+        init = state[group.slots] if group.has_state else None
+        out[idx], state[group.slots] = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init)
+    return out
+
+
+@register("gated_delta_rule", "cpu")
+def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in
+    L1; the portable chunked form where it could not be built."""
+    if not cpu_extension.available():
+        return gated_delta_rule(q, k, v, g, beta, state, meta)
+    return torch.ops.vlmserve_cpu.gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
+                                                   meta.slots, meta.has_state)
 
 
 @register("causal_conv1d_prefill")

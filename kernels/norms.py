@@ -1,9 +1,11 @@
-"""RMSNorm (computed in fp32, as the reference models do)."""
+"""RMSNorm (computed in fp32, as the reference models do): plain, zero-centred and gated;
+on the CPU in one pass each (kernels/csrc/elementwise.cpp)."""
 
 from __future__ import annotations
 
 import torch
 
+from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.registry import register
 
 
@@ -30,3 +32,24 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * x32.to(dtype) * torch.nn.functional.silu(gate.float())).to(dtype)
+
+
+@register("rms_norm", "cpu")
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not cpu_extension.available():
+        return rms_norm(x, weight, eps)
+    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, None)
+
+
+@register("rms_norm_zero_centered", "cpu")
+def rms_norm_zero_centered_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not cpu_extension.available():
+        return rms_norm_zero_centered(x, weight, eps)
+    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, True, None)
+
+
+@register("gated_rms_norm", "cpu")
+def gated_rms_norm_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not cpu_extension.available():
+        return gated_rms_norm(x, gate, weight, eps)
+    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, gate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.registry import register
 
 
@@ -27,3 +28,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+@register("apply_rotary", "cpu")
+def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One pass in C++ (kernels/csrc/elementwise.cpp), x's dtype out."""
+    if not cpu_extension.available():
+        return apply_rotary(x, cos, sin)
+    return torch.ops.vlmserve_cpu.apply_rotary(x, cos, sin)

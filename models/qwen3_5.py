@@ -160,36 +160,14 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         meta: RecurrentMetadata = ctx.layer_state[self.layer_id]
         conv_state, ssm_state = ctx.kv_caches[self.layer_id]
-        weight = self.conv1d.weight.squeeze(1)
-        nd = meta.num_decodes
-
-        conv_out = torch.empty_like(mixed)
-        if nd:
-            conv_out[:nd], conv_state[meta.decode_slots] = ops.causal_conv1d_decode(
-                mixed[:nd], weight, conv_state[meta.decode_slots]
-            )
-        for group in meta.prefill_groups:
-            init = conv_state[group.slots] if group.has_state else None
-            conv_out[group.token_index], conv_state[group.slots] = ops.causal_conv1d_prefill(
-                mixed[group.token_index], weight, init
-            )
-
+        conv_out = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_state, meta)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(n, self.num_k_heads, self.head_k)
         k = k.view(n, self.num_k_heads, self.head_k)
         v = v.view(n, self.num_v_heads, self.head_v)
-        beta = torch.sigmoid(b)
+        beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-
-        core = torch.empty_like(v)
-        if nd:
-            core[:nd], ssm_state[meta.decode_slots] = ops.recurrent_gated_delta_rule(
-                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm_state[meta.decode_slots]
-            )
-        for group in meta.prefill_groups:
-            idx = group.token_index
-            init = ssm_state[group.slots] if group.has_state else None
-            core[idx], ssm_state[group.slots] = ops.chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init)
+        core = ops.gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
 
         out = ops.gated_rms_norm(core.reshape(-1, self.head_v), z.reshape(-1, self.head_v), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, self.value_dim))

@@ -30,6 +30,8 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_startup.py": (["--runs", "1"], r"first answer"),
     "bench_media.py": (["--images", "4", "--threads", "2"], r"images/s"),
     "bench_soak.py": (["--clients", "4", "--minutes", "0.1"], r"back to idle: yes"),
+    "bench_peers.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4", "--engines", "vlmserve,transformers"],
+                       r"vlmserve / transformers: [0-9.]+x"),
 }
 
 

@@ -14,43 +14,94 @@ from vlmserve.models.layers import Linear
 
 
 def dense_attention(q, keys, values, scale, window=None):
-    """One query (the last position) over keys/values [L, kv_heads, d], GQA by repetition."""
-    group = q.shape[0] // keys.shape[1]
-    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
-    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = (q[:, None, :] @ k.transpose(1, 2))[:, 0] * scale  # [heads, L]
-    if window is not None:
-        scores[:, : max(0, keys.shape[0] - window)] = float("-inf")
-    return (scores.softmax(-1)[:, None, :] @ v)[:, 0]
+    """Every query of a sequence over its keys/values [L, kv_heads, d] (the queries are the
+    last len(q) positions), causal and windowed, GQA by repetition, in float64."""
+    n, L = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, L]
+    q_pos = torch.arange(L - n, L)[:, None]
+    k_pos = torch.arange(L)[None, :]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or L + 1))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, heads, d]
 
 
+def paged_case(num_computed, query_lens, kv_heads, d, block_size, num_blocks=256, dtype=torch.float32, seed=0):
+    """Caches holding num_computed[i] tokens of request i in scattered blocks (block 0 is
+    the null block, in the tables' padding), and this step's new keys and values."""
+    from vlmserve.kernels.attention import keys_by_token, kv_cache_shapes, values_by_token
+
+    gen = torch.Generator().manual_seed(seed)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, d)
+    k_cache, v_cache = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
+    free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+    width = max(-(-(c + q) // block_size) for c, q in zip(num_computed, query_lens)) + 1
+    tables = np.zeros((len(num_computed), width), dtype=np.int64)
+    history = []
+    for i, (c, q) in enumerate(zip(num_computed, query_lens)):
+        n_blocks = -(-(c + q) // block_size)
+        tables[i, :n_blocks] = [free.pop() for _ in range(n_blocks)]
+        keys = torch.randn(c, kv_heads, d, generator=gen).to(dtype)
+        values = torch.randn(c, kv_heads, d, generator=gen).to(dtype)
+        blocks = torch.from_numpy(tables[i][np.arange(c) // block_size])
+        offsets = torch.from_numpy(np.arange(c) % block_size)
+        keys_by_token(k_cache)[blocks, offsets] = keys
+        values_by_token(v_cache)[blocks, offsets] = values
+        history.append((keys, values))
+    total = sum(query_lens)
+    new_k = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+    new_v = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+    return k_cache, v_cache, tables, history, new_k, new_v
+
+
+@pytest.mark.parametrize("impl", ["portable", "cpu"])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_decode_attention_equals_dense_attention(q_heads, kv_heads, window):
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_paged_attention_equals_dense_attention(impl, q_heads, kv_heads, window, block_size):
+    """A mixed batch: decodes, a fresh prefill, a chunk over a cached prefix, a long
+    prefill crossing tiles; with and without a window, GQA, three block sizes."""
+    from vlmserve.kernels.attention import paged_attention, paged_attention_cpu
+
     torch.manual_seed(0)
-    block_size, d, num_blocks = 4, 16, 64
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
-    v_cache = torch.zeros_like(k_cache)
-    lengths = [1, 7, 16, 33]  # tokens already cached per request
-    rng = np.random.default_rng(0)
-    free = list(rng.permutation(np.arange(1, num_blocks)))  # block 0 is the null block
-    tables, history = [], []
-    for n in lengths:
-        table = np.array([free.pop() for _ in range(-(-(n + 1) // block_size))])
-        keys, values = torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
-        slots = torch.from_numpy(table[np.arange(n) // block_size] * block_size + np.arange(n) % block_size)
-        k_cache.view(-1, kv_heads, d)[slots] = keys
-        v_cache.view(-1, kv_heads, d)[slots] = values
-        tables.append(table)
-        history.append((keys, values))
-    meta = build_attention_metadata(tables, lengths, [1] * len(lengths), block_size, window)
-    q = torch.randn(len(lengths), q_heads, d)
-    k_new, v_new = torch.randn(len(lengths), kv_heads, d), torch.randn(len(lengths), kv_heads, d)
-    out = ops.paged_attention(q, k_new, v_new, k_cache, v_cache, meta, d**-0.5)
-    for i, (keys, values) in enumerate(history):
-        ref = dense_attention(q[i], torch.cat([keys, k_new[i : i + 1]]), torch.cat([values, v_new[i : i + 1]]),
-                              d**-0.5, window)
-        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+    d = 16
+    num_computed = [0, 7, 16, 33, 0, 40, 5]
+    query_lens = [1, 1, 1, 1, 23, 17, 70]
+    k_cache, v_cache, tables, history, new_k, new_v = paged_case(num_computed, query_lens, kv_heads, d, block_size)
+    meta = build_attention_metadata(tables, num_computed, query_lens, block_size, window)
+    q = torch.randn(sum(query_lens), q_heads, d)
+    fn = paged_attention if impl == "portable" else paged_attention_cpu
+    out = fn(q, new_k, new_v, k_cache, v_cache, meta, d**-0.5)
+    start = 0
+    for (keys, values), n in zip(history, query_lens):
+        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
+                              torch.cat([values, new_v[start : start + n]]), d**-0.5, window)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
+        start += n
+
+
+def test_paged_attention_reads_bf16_caches_in_place():
+    """bf16 storage, fp32 accumulation: the C++ kernel equals the float64 reference of
+    the same bf16 numbers within bf16 rounding of the output."""
+    from vlmserve.kernels import cpu_extension
+    from vlmserve.kernels.attention import paged_attention_cpu
+
+    assert cpu_extension.available()  # a compiler is on these machines
+    num_computed, query_lens, d = [30, 0, 100], [1, 40, 9], 64
+    k_cache, v_cache, tables, history, new_k, new_v = paged_case(num_computed, query_lens, 2, d, 16,
+                                                                 dtype=torch.bfloat16)
+    meta = build_attention_metadata(tables, num_computed, query_lens, 16)
+    q = torch.randn(sum(query_lens), 8, d).bfloat16()
+    out = paged_attention_cpu(q, new_k, new_v, k_cache, v_cache, meta, d**-0.5)
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for (keys, values), n in zip(history, query_lens):
+        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
+                              torch.cat([values, new_v[start : start + n]]), d**-0.5)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=1e-2, rtol=1e-2)
+        start += n
 
 
 @pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 32, 300])
@@ -113,3 +164,67 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(t, with_state):
         yi, carried = ops.causal_conv1d_decode(x[:, i], weight, carried)
         torch.testing.assert_close(y[:, i], yi, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_state, carried)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
+    """The C++ conv1d and gated delta rule (the recurrence, token by token) against the
+    portable ones (chunked): decodes and prefills, fresh and resuming states in their
+    slots, several 64-token chunks, grouped key heads."""
+    from vlmserve.kernels import cpu_extension
+    from vlmserve.kernels.gdn import (
+        build_recurrent_metadata,
+        causal_conv1d,
+        causal_conv1d_cpu,
+        gated_delta_rule,
+        gated_delta_rule_cpu,
+    )
+
+    assert cpu_extension.available()
+    torch.manual_seed(0)
+    hk, h, dk, dv, c, kernel, num_slots = 2, 4, 16, 8, 12, 4, 9
+    slots, num_computed, query_lens = [3, 0, 7, 5, 2, 8], [10, 4, 0, 30, 0, 70], [1, 1, 5, 40, 130, 64]
+    meta = build_recurrent_metadata(slots, num_computed, query_lens)
+    t = sum(query_lens)
+    q, k = torch.randn(t, hk, dk).to(dtype), torch.randn(t, hk, dk).to(dtype)
+    v = torch.randn(t, h, dv).to(dtype)
+    g, beta = -torch.rand(t, h), torch.rand(t, h)
+    state = torch.randn(num_slots, h, dk, dv)
+    x, weight = torch.randn(t, c).to(dtype), torch.randn(c, kernel).to(dtype)
+    conv_state = torch.randn(num_slots, c, kernel - 1).to(dtype)
+    ref_state, ref_conv_state = state.clone(), conv_state.clone()
+    out = gated_delta_rule_cpu(q, k, v, g, beta, state, meta)
+    ref = gated_delta_rule(q, k, v, g, beta, ref_state, meta)
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(state, ref_state, atol=tol, rtol=tol)  # every slot: the untouched ones too
+    y = causal_conv1d_cpu(x, weight, conv_state, meta)
+    y_ref = causal_conv1d(x, weight, ref_conv_state, meta)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(conv_state, ref_conv_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
+    """RMSNorm (plain, zero-centred, gated), rotary (whole and partial heads) and
+    silu-and-mul: the one-pass C++ ops against torch's chains, in fp32 and bf16."""
+    from vlmserve.kernels import cpu_extension, linear, norms, rotary
+
+    assert cpu_extension.available()
+    torch.manual_seed(0)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    x, gate, weight = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype), torch.randn(96).to(dtype)
+    for fast, ref, args in ((norms.rms_norm_cpu, norms.rms_norm, (x, weight, 1e-6)),
+                            (norms.rms_norm_zero_centered_cpu, norms.rms_norm_zero_centered, (x, weight, 1e-6)),
+                            (norms.gated_rms_norm_cpu, norms.gated_rms_norm, (x, gate, weight, 1e-6))):
+        out = fast(*args)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref(*args).float(), **tol)
+    heads = torch.randn(37, 5, 64).to(dtype)
+    for rot in (64, 32):
+        angles = torch.rand(37, rot // 2) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        out = rotary.apply_rotary_cpu(heads, cos, sin)
+        torch.testing.assert_close(out.float(), rotary.apply_rotary(heads.float(), cos, sin), **tol)
+    gate_up = torch.randn(37, 2 * 80).to(dtype)
+    torch.testing.assert_close(linear.silu_and_mul_cpu(gate_up).float(), linear.silu_and_mul(gate_up.float()), **tol)

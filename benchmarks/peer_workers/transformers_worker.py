@@ -1,0 +1,53 @@
+"""bench_peers.py's transformers worker: `generate` over static batches of `--batch`
+requests (a run message may carry another "batch"), left padded, greedy; each batch runs
+to its longest request and each request counts its own max_tokens."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from protocol import Request, load_workload, protocol_stdout, serve, summarize, worker_args
+
+
+def main() -> None:
+    out = protocol_stdout()
+    ap = worker_args(__doc__)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--batch", type=int, default=16, help="requests per generate call")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    requests = load_workload(args.workload)
+    t = time.perf_counter()
+    processor = AutoProcessor.from_pretrained(args.model)
+    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    start_seconds = time.perf_counter() - t
+
+    def generate(chunk: list[Request]) -> list[list[int]]:
+        images = [img for r in chunk for img in r.images]
+        inputs = processor(text=[r.prompt for r in chunk], images=images or None, return_tensors="pt",
+                           padding=True, padding_side="left")
+        longest = max(r.max_tokens for r in chunk)
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+        new = out[:, inputs["input_ids"].shape[1] :]
+        return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)]
+
+    def run(message: dict) -> dict[str, Any]:
+        batch = int(message.get("batch", args.batch))
+        token_ids = []
+        for i in range(0, len(requests), batch):
+            token_ids += generate(requests[i : i + batch])
+        return summarize(requests, token_ids, 0)
+
+    serve(out, start_seconds, lambda: None, run)
+
+
+if __name__ == "__main__":
+    main()

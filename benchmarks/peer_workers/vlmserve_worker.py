@@ -1,0 +1,43 @@
+"""bench_peers.py's vlmserve worker: `vlmserve.LLM` with continuous batching, prefix,
+encoder and processor caches emptied before every run."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from protocol import load_workload, protocol_stdout, serve, summarize, worker_args
+
+
+def main() -> None:
+    out = protocol_stdout()
+    ap = worker_args(__doc__)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from vlmserve import LLM, SamplingParams
+
+    requests = load_workload(args.workload)
+    t = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_gb=2)
+    start_seconds = time.perf_counter() - t
+
+    def reset() -> None:
+        if not llm.engine.reset_caches():
+            raise RuntimeError("vlmserve did not reset its caches: requests are still running")
+
+    def run(message: dict) -> dict[str, Any]:
+        prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        outs = llm.generate(prompts, params)
+        return summarize(requests, [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs))
+
+    serve(out, start_seconds, reset, run)
+
+
+if __name__ == "__main__":
+    main()

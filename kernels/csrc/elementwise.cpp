@@ -1,0 +1,135 @@
+// The elementwise work of a decoder layer, one pass each instead of torch's chain of
+// small ops (each its own pass over memory): RMSNorm (plain, zero-centred, gated by
+// silu), rotary embedding in the rotate-half layout, and silu(gate) * up. Everything is
+// computed in fp32 and rounded once to the output dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // rows per parallel task
+
+// out = norm(x) * w, where w = weight (plain), 1 + weight (zero-centred); times silu(gate)
+// when a gate is given (the output norm of a Gated DeltaNet layer).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
+                    const c10::optional<at::Tensor>& gate) {
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.numel() == dim, "weight must have the size of the last dimension");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  at::Tensor gc;
+  if (gate.has_value()) {
+    gc = gate->contiguous();
+    TORCH_CHECK(gc.sizes() == x.sizes() && gc.scalar_type() == x.scalar_type(), "gate must be like x");
+  }
+  at::Tensor out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / dim;
+  const float* wp = w.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* gp = gate.has_value() ? gc.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* xr = xp + r * dim;
+        float ss = 0.f;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = static_cast<float>(xr[i]);
+          ss += v * v;
+        }
+        const float scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
+        scalar_t* orow = op + r * dim;
+        const float offset = zero_centered ? 1.f : 0.f;
+        if (gp == nullptr) {
+          for (int64_t i = 0; i < dim; ++i)
+            orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (wp[i] + offset));
+        } else {
+          const scalar_t* gr = gp + r * dim;
+          for (int64_t i = 0; i < dim; ++i)
+            orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (wp[i] + offset) *
+                                            vlmserve::silu(static_cast<float>(gr[i])));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// x [tokens, heads, head_dim]; cos, sin [tokens, rot] (rot <= head_dim, even): the first
+// rot channels of each head rotated (rotate-half pairs i, i + rot / 2), the rest kept.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0),
+              "x must be [tokens, heads, head_dim] and cos/sin [tokens, rot]");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rot = cos.size(1), half = rot / 2;
+  TORCH_CHECK(rot <= dim && rot % 2 == 0, "bad rotary size");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor cc = cos.to(at::kFloat).contiguous(), sc = sin.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rotary", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* cp = cc.data_ptr<float>();
+    const float* sp = sc.data_ptr<float>();
+    at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = cp + t * rot;
+        const float* st = sp + t * rot;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* xr = xp + (t * heads + h) * dim;
+          scalar_t* orow = op + (t * heads + h) * dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = static_cast<float>(xr[i]), b = static_cast<float>(xr[i + half]);
+            orow[i] = static_cast<scalar_t>(a * ct[i] - b * st[i]);
+            orow[i + half] = static_cast<scalar_t>(b * ct[i + half] + a * st[i + half]);
+          }
+          for (int64_t i = rot; i < dim; ++i) orow[i] = xr[i];
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// gate_up [rows, 2 * n] (gate, then up) -> silu(gate) * up [rows, n]
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  const int64_t n = gate_up.size(-1) / 2;
+  const at::Tensor gc = gate_up.contiguous();
+  auto sizes = gc.sizes().vec();
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, gc.options());
+  const int64_t rows = gc.numel() / (2 * n);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* gp = gc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = gp + r * 2 * n;
+        const scalar_t* u = g + n;
+        scalar_t* o = op + r * n;
+        for (int64_t i = 0; i < n; ++i)
+          o[i] = static_cast<scalar_t>(vlmserve::silu(static_cast<float>(g[i])) * static_cast<float>(u[i]));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered, Tensor? gate) -> Tensor");
+  m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("apply_rotary", &apply_rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

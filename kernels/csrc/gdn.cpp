@@ -1,0 +1,183 @@
+// Gated DeltaNet on the CPU: the causal depthwise conv1d in front of the layer and the
+// gated delta rule, for a whole mixed batch (decodes and prefills, fresh or resuming a
+// state) in one call each, updating the recurrent states in their slots in place.
+//
+// The delta rule runs as the recurrence itself, token by token, per (sequence, value
+// head): the [dk, dv] fp32 state of one head (16 KB at 64 x 64) stays in the core's L1
+// cache for the whole sequence, so a token costs two passes over it and nothing else is
+// materialised (the chunked form trades this for matrix products and a triangular solve
+// per chunk, which only pay off on a GPU). Per token, with q and k L2-normalised and q
+// scaled by dk^-1/2:
+//     S <- S * exp(g);   S <- S + k (beta (v - k^T S))^T;   o = q^T S
+//
+// Layouts: q, k [tokens, key_heads, dk]; v, out [tokens, value_heads, dv]; g (log decay)
+// and beta [tokens, value_heads] (fp32); state [slots, value_heads, dk, dv] (fp32); each
+// key head serves value_heads / key_heads consecutive value heads. The conv: x, out
+// [tokens, channels]; weight [channels, kernel]; conv state [slots, channels, kernel - 1]
+// (the inputs before the sequence's next token). query_start [seqs + 1] (int32), slots
+// [seqs] (int64), has_state [seqs] (bool: resume the slot's state, else start from zeros).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+template <typename scalar_t>
+void delta_rule_head(const scalar_t* q, const scalar_t* k, const scalar_t* v, const float* g, const float* beta,
+                     scalar_t* out, float* S, int64_t t0, int64_t t1, int64_t key_head, int64_t head,
+                     int64_t key_heads, int64_t heads, int64_t dk, int64_t dv, std::vector<float>& buf) {
+  buf.resize(2 * dk + 2 * dv);
+  float* qn = buf.data();
+  float* kn = qn + dk;
+  float* kS = kn + dk;
+  float* o = kS + dv;
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  for (int64_t t = t0; t < t1; ++t) {
+    const scalar_t* qt = q + (t * key_heads + key_head) * dk;
+    const scalar_t* kt = k + (t * key_heads + key_head) * dk;
+    float qq = 0.f, kk = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      qn[i] = static_cast<float>(qt[i]);
+      kn[i] = static_cast<float>(kt[i]);
+      qq += qn[i] * qn[i];
+      kk += kn[i] * kn[i];
+    }
+    const float qf = q_scale / std::sqrt(qq + 1e-6f), kf = 1.f / std::sqrt(kk + 1e-6f);
+    for (int64_t i = 0; i < dk; ++i) {
+      qn[i] *= qf;
+      kn[i] *= kf;
+    }
+    const float decay = std::exp(g[t * heads + head]);
+    const float b = beta[t * heads + head];
+    // pass 1: decay the state, and read what it remembers for this key
+    for (int64_t j = 0; j < dv; ++j) kS[j] = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = S + i * dv;
+      const float ki = kn[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        row[j] *= decay;
+        kS[j] += ki * row[j];
+      }
+    }
+    const scalar_t* vt = v + (t * heads + head) * dv;
+    for (int64_t j = 0; j < dv; ++j) kS[j] = (static_cast<float>(vt[j]) - kS[j]) * b;  // the delta
+    // pass 2: write the delta, and read the output
+    for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = S + i * dv;
+      const float ki = kn[i], qi = qn[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        row[j] += ki * kS[j];
+        o[j] += qi * row[j];
+      }
+    }
+    scalar_t* ot = out + (t * heads + head) * dv;
+    for (int64_t j = 0; j < dv; ++j) ot[j] = static_cast<scalar_t>(o[j]);
+  }
+}
+
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start,
+                            const at::Tensor& slots, const at::Tensor& has_state) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0), "bad shapes");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous(), "the state must be contiguous fp32");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat, "g and beta must be fp32");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
+  const int64_t key_heads = q.size(1), dk = q.size(2), heads = v.size(1), dv = v.size(2);
+  TORCH_CHECK(heads % key_heads == 0 && state.size(1) == heads && state.size(2) == dk && state.size(3) == dv,
+              "the state must be [slots, value_heads, dk, dv]");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
+  const at::Tensor qs = query_start.to(at::kInt).contiguous(), sl = slots.to(at::kLong).contiguous();
+  const at::Tensor hs = has_state.to(at::kBool).contiguous();
+  at::Tensor out = at::empty_like(vc);
+  const int64_t num_seqs = sl.size(0), rep = heads / key_heads;
+  const int32_t* qsp = qs.data_ptr<int32_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const bool* hsp = hs.data_ptr<bool>();
+  float* statep = state.data_ptr<float>();
+  const int64_t n = num_seqs * heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gated_delta_rule", [&] {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      std::vector<float> buf;
+      for (int64_t item = next.fetch_add(1); item < n; item = next.fetch_add(1)) {
+        const int64_t seq = item / heads, head = item % heads;
+        float* S = statep + (slp[seq] * heads + head) * dk * dv;
+        if (!hsp[seq]) std::fill(S, S + dk * dv, 0.f);
+        delta_rule_head<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                                  gc.data_ptr<float>(), bc.data_ptr<float>(), out.data_ptr<scalar_t>(), S, qsp[seq],
+                                  qsp[seq + 1], head / rep, head, key_heads, heads, dk, dv, buf);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_state,
+                         const at::Tensor& query_start, const at::Tensor& slots, const at::Tensor& has_state) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(0), "bad shapes");
+  const int64_t channels = x.size(1), kernel = weight.size(1), hist = kernel - 1;
+  TORCH_CHECK(conv_state.is_contiguous() && conv_state.size(1) == channels && conv_state.size(2) == hist,
+              "the conv state must be [slots, channels, kernel - 1], contiguous");
+  TORCH_CHECK(x.scalar_type() == conv_state.scalar_type(), "x and the conv state: one dtype");
+  const at::Tensor xc = x.contiguous(), wc = weight.to(at::kFloat).contiguous();
+  const at::Tensor qs = query_start.to(at::kInt).contiguous(), sl = slots.to(at::kLong).contiguous();
+  const at::Tensor hs = has_state.to(at::kBool).contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t num_seqs = sl.size(0);
+  const int32_t* qsp = qs.data_ptr<int32_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const bool* hsp = hs.data_ptr<bool>();
+  const float* wp = wc.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* cs = conv_state.data_ptr<scalar_t>();
+    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+      // the window, channel-minor: win[i * channels + c] is input (t - hist + i) of channel c
+      std::vector<float> win((hist + 1) * channels);
+      for (int64_t seq = begin; seq < end; ++seq) {
+        scalar_t* state = cs + slp[seq] * channels * hist;
+        for (int64_t c = 0; c < channels; ++c)
+          for (int64_t i = 0; i < hist; ++i)
+            win[i * channels + c] = hsp[seq] ? static_cast<float>(state[c * hist + i]) : 0.f;
+        for (int64_t t = qsp[seq]; t < qsp[seq + 1]; ++t) {
+          float* newest = win.data() + hist * channels;
+          for (int64_t c = 0; c < channels; ++c) newest[c] = static_cast<float>(xp[t * channels + c]);
+          scalar_t* ot = op + t * channels;
+          for (int64_t c = 0; c < channels; ++c) {
+            float acc = 0.f;
+            for (int64_t i = 0; i <= hist; ++i) acc += wp[c * kernel + i] * win[i * channels + c];
+            ot[c] = static_cast<scalar_t>(vlmserve::silu(acc));
+          }
+          std::copy(win.begin() + channels, win.end(), win.begin());  // slide by one token
+        }
+        for (int64_t c = 0; c < channels; ++c)
+          for (int64_t i = 0; i < hist; ++i) state[c * hist + i] = static_cast<scalar_t>(win[i * channels + c]);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
+  m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
+        "Tensor query_start, Tensor slots, Tensor has_state) -> Tensor");
+  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor(a!) conv_state, Tensor query_start, Tensor slots, "
+        "Tensor has_state) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
+  m.impl("gated_delta_rule", &gated_delta_rule);
+  m.impl("causal_conv1d", &causal_conv1d);
+}
