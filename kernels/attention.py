@@ -1,12 +1,13 @@
 """Attention over the paged KV cache (a mixed batch of decodes and prefills, full or
 sliding window, grouped-query), and packed variable-length attention for the vision tower.
 
-KV cache layout, per layer: keys [num_blocks, num_kv_heads, head_dim, block_size] (each
-block's keys transposed, so that a query's scores against a block are head_dim vector
-multiply-adds over the block's tokens), values [num_blocks, num_kv_heads, block_size,
-head_dim]; a block of one head is contiguous in both. Token t of a request lives in slot
-block_table[t // block_size] * block_size + t % block_size: block slot // block_size,
-offset slot % block_size.
+KV cache layout, per layer: keys [num_blocks, num_kv_heads, head_dim / 2, block_size, 2]
+(each block's keys transposed, so that a query's scores against a block are vector
+multiply-adds over the block's tokens, with channels in pairs), values [num_blocks,
+num_kv_heads, block_size / 2, head_dim, 2] (tokens in pairs): the pairs are what
+AVX512-BF16's dot product takes (kernels/csrc/paged_attention.cpp). A block of one head
+is contiguous in both. Token t of a request lives in slot block_table[t // block_size] *
+block_size + t % block_size: block slot // block_size, offset slot % block_size.
 """
 
 from __future__ import annotations
@@ -74,17 +75,27 @@ def build_attention_metadata(
 def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shapes of one layer's key and value caches (see the module's docstring)."""
-    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+    if head_dim % 2 or block_size % 2:
+        raise ValueError(f"head size {head_dim} and block size {block_size} must be even")
+    return ((num_blocks, num_kv_heads, head_dim // 2, block_size, 2),
+            (num_blocks, num_kv_heads, block_size // 2, head_dim, 2))
 
 
-def keys_by_token(k_cache: torch.Tensor) -> torch.Tensor:
-    """The key cache as [num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
-    return k_cache.permute(0, 3, 1, 2)
+def _key_view(k_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, num_kv_heads, head_dim / 2, 2]: a token's keys by (block, offset)."""
+    return k_cache.permute(0, 3, 1, 2, 4)
 
 
-def values_by_token(v_cache: torch.Tensor) -> torch.Tensor:
-    """The value cache as [num_blocks, block_size, num_kv_heads, head_dim] (a view)."""
-    return v_cache.transpose(1, 2)
+def _value_view(v_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size / 2, 2, num_kv_heads, head_dim]: a token's values by (block, offset // 2, offset % 2)."""
+    return v_cache.permute(0, 2, 4, 1, 3)
+
+
+def read_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values [n, num_kv_heads, head_dim] of the tokens at (blocks, offsets)."""
+    keys = _key_view(k_cache)[blocks, offsets]
+    return keys.reshape(*keys.shape[:2], -1), _value_view(v_cache)[blocks, offsets // 2, offsets % 2]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -92,10 +103,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Stores this step's keys and values at their slots. Every token of the batch is
     written before any is read: a request may read blocks another request of this step
     is filling (a prefix hit on blocks cached this step)."""
-    block_size = v_cache.shape[2]
+    block_size = k_cache.shape[3]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    keys_by_token(k_cache)[blocks, offsets] = k
-    values_by_token(v_cache)[blocks, offsets] = v
+    _key_view(k_cache)[blocks, offsets] = k.view(*k.shape[:2], k.shape[2] // 2, 2)
+    _value_view(v_cache)[blocks, offsets // 2, offsets % 2] = v
 
 
 @register("paged_attention")
@@ -114,9 +125,8 @@ def paged_attention(
     The portable version (and the reference of the others): each sequence's visible keys
     gathered from the cache, then torch's attention with an explicit mask."""
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    block_size = v_cache.shape[2]
-    keys, values = keys_by_token(k_cache), values_by_token(v_cache)
+    num_kv_heads = k.shape[1]
+    block_size = k_cache.shape[3]
     window = meta.sliding_window or 1 << 62
     out = torch.empty_like(q)
     starts = meta.query_start_host
@@ -125,12 +135,13 @@ def paged_attention(
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
         first = max(seq_len - (e - s) - window + 1, 0)
         kv_pos = torch.arange(first, seq_len, device=q.device)
-        blocks, offsets = meta.block_tables[i].long()[kv_pos // block_size], kv_pos % block_size
+        keys, values = read_kv_cache(k_cache, v_cache, meta.block_tables[i].long()[kv_pos // block_size],
+                                     kv_pos % block_size)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0).float(),
-            keys[blocks, offsets].transpose(0, 1).unsqueeze(0).float(),
-            values[blocks, offsets].transpose(0, 1).unsqueeze(0).float(),
+            keys.transpose(0, 1).unsqueeze(0).float(),
+            values.transpose(0, 1).unsqueeze(0).float(),
             attn_mask=visible, scale=scale, enable_gqa=q.shape[1] != num_kv_heads,
         )
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
@@ -151,7 +162,7 @@ def paged_attention_cpu(
     accumulation; the portable version where it could not be built."""
     if not cpu_extension.available():
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                                   meta.seq_lens, meta.sliding_window, scale)
 

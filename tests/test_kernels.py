@@ -31,7 +31,7 @@ def dense_attention(q, keys, values, scale, window=None):
 def paged_case(num_computed, query_lens, kv_heads, d, block_size, num_blocks=256, dtype=torch.float32, seed=0):
     """Caches holding num_computed[i] tokens of request i in scattered blocks (block 0 is
     the null block, in the tables' padding), and this step's new keys and values."""
-    from vlmserve.kernels.attention import keys_by_token, kv_cache_shapes, values_by_token
+    from vlmserve.kernels.attention import kv_cache_shapes, write_kv_cache
 
     gen = torch.Generator().manual_seed(seed)
     k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, kv_heads, d)
@@ -45,10 +45,8 @@ def paged_case(num_computed, query_lens, kv_heads, d, block_size, num_blocks=256
         tables[i, :n_blocks] = [free.pop() for _ in range(n_blocks)]
         keys = torch.randn(c, kv_heads, d, generator=gen).to(dtype)
         values = torch.randn(c, kv_heads, d, generator=gen).to(dtype)
-        blocks = torch.from_numpy(tables[i][np.arange(c) // block_size])
-        offsets = torch.from_numpy(np.arange(c) % block_size)
-        keys_by_token(k_cache)[blocks, offsets] = keys
-        values_by_token(v_cache)[blocks, offsets] = values
+        slots = torch.from_numpy(tables[i][np.arange(c) // block_size] * block_size + np.arange(c) % block_size)
+        write_kv_cache(keys, values, k_cache, v_cache, slots)
         history.append((keys, values))
     total = sum(query_lens)
     new_k = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
@@ -80,6 +78,24 @@ def test_paged_attention_equals_dense_attention(impl, q_heads, kv_heads, window,
                               torch.cat([values, new_v[start : start + n]]), d**-0.5, window)
         torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
         start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_write_of_cpp_equals_torchs(dtype):
+    from vlmserve.kernels import cpu_extension
+    from vlmserve.kernels.attention import kv_cache_shapes, read_kv_cache, write_kv_cache
+
+    assert cpu_extension.available()
+    k_shape, v_shape = kv_cache_shapes(10, 16, 2, 64)
+    caches = [torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)]
+    ref = [torch.zeros_like(c) for c in caches]
+    slots = torch.tensor([17, 3, 159, 80, 81, 16])
+    k, v = torch.randn(6, 2, 64).to(dtype), torch.randn(6, 2, 64).to(dtype)
+    torch.ops.vlmserve_cpu.write_kv_cache(k, v, *caches, slots)
+    write_kv_cache(k, v, *ref, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    keys, values = read_kv_cache(*caches, slots // 16, slots % 16)
+    assert torch.equal(keys, k) and torch.equal(values, v)
 
 
 def test_paged_attention_reads_bf16_caches_in_place():

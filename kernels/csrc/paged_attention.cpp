@@ -6,10 +6,14 @@
 // read; scores, softmax and the output accumulate in fp32 (online softmax), so nothing
 // the size of a sequence is ever gathered or upcast.
 //
-// Layouts: q, out [tokens, q_heads, D]; key cache [blocks, kv_heads, D, block_size] (each
-// block's keys transposed, so that a query's scores against a block are D vector FMAs);
-// value cache [blocks, kv_heads, block_size, D] (a block of one head is contiguous, and
-// the next one is prefetched while this one is computed); block_tables [seqs, max_blocks] (int32);
+// Layouts: q, out [tokens, q_heads, D]; key cache [blocks, kv_heads, D / 2, block_size, 2]
+// (each block's keys transposed, so that a query's scores against a block are vector
+// multiply-adds over the block's tokens, with pairs of channels side by side); value
+// cache [blocks, kv_heads, block_size / 2, D, 2] (pairs of tokens side by side). The pairs
+// are what AVX512-BF16's dot-product instruction takes: on CPUs that have it, bf16 caches
+// are multiplied as they are stored, two products per lane and instruction. A block of
+// one head is contiguous in both caches; the next one is prefetched while this one is
+// computed. block_tables [seqs, max_blocks] (int32);
 // query_start [seqs + 1] (int32: where each sequence's queries start in q); seq_lens [seqs]
 // (int32: tokens in the cache once this step's are written, i.e. the last query's position
 // + 1). Query j of a sequence with q_len queries sits at position seq_len - q_len + j and
@@ -27,7 +31,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec_math.h"
 
@@ -47,9 +57,12 @@ struct WorkItem {
 
 struct Scratch {
   std::vector<float> q, o, row_max, row_sum, scores;
+  std::vector<uint32_t> q_pairs, p_pairs;  // bf16 pairs, for the AVX512-BF16 path
   std::vector<int32_t> lo, hi;  // per row: the visible key positions [lo, hi]
   void reserve(int64_t rows, int64_t head_dim, int64_t block_size) {
     q.assign(rows * head_dim, 0.f);
+    q_pairs.assign(rows * head_dim / 2, 0u);
+    p_pairs.resize(kRows * block_size / 2);
     o.assign(rows * head_dim, 0.f);
     row_max.assign(rows, kNoScore);
     row_sum.assign(rows, 0.f);
@@ -59,20 +72,48 @@ struct Scratch {
   }
 };
 
-// scores[r][t] = q[r] . key[t] for kRows rows and one block. BS, D > 0: sizes known at
-// compile time (the accumulators stay in registers); 0: read at run time.
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
+// The AVX512-BF16 path: bf16 caches, 16-token blocks, head sizes a multiple of 16.
+template <typename scalar_t, int BS, int D>
+constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && BS == 16 && D > 0 && D % 16 == 0;
+
+// scores[r][t] = q[r] . key[t] for kRows rows and one block, already scaled. q: the rows'
+// scaled queries in fp32; q_pairs: the same unscaled, as bf16 pairs (the bf16 path).
+// BS, D > 0: sizes known at compile time (the accumulators stay in registers).
 template <int BS, int D, typename scalar_t>
-inline void block_scores(const float* q, const scalar_t* keys_t, float* scores, int64_t bs_rt, int64_t d_rt) {
+inline void block_scores(const float* q, const uint32_t* q_pairs, float scale, const scalar_t* keys, float* scores,
+                         int64_t bs_rt, int64_t d_rt) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   const int64_t dim = D > 0 ? D : d_rt;
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Dot<scalar_t, BS, D>) {
+    __m512 acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    for (int dp = 0; dp < D / 2; ++dp) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(keys + dp * 2 * BS);
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[r * (D / 2) + dp]), k);
+    }
+    for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(scores + r * BS, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
   if constexpr (BS > 0) {
     float acc[kRows][BS] = {};
-    for (int64_t d = 0; d < dim; ++d) {
-      float kd[BS];
-      for (int t = 0; t < BS; ++t) kd[t] = static_cast<float>(keys_t[d * BS + t]);
+    for (int64_t dp = 0; dp < dim / 2; ++dp) {
+      float k0[BS], k1[BS];
+      for (int t = 0; t < BS; ++t) {
+        k0[t] = static_cast<float>(keys[(dp * BS + t) * 2]);
+        k1[t] = static_cast<float>(keys[(dp * BS + t) * 2 + 1]);
+      }
       for (int r = 0; r < kRows; ++r) {
-        const float qd = q[r * dim + d];
-        for (int t = 0; t < BS; ++t) acc[r][t] += qd * kd[t];
+        const float q0 = q[r * dim + 2 * dp], q1 = q[r * dim + 2 * dp + 1];
+        for (int t = 0; t < BS; ++t) acc[r][t] += q0 * k0[t] + q1 * k1[t];
       }
     }
     for (int r = 0; r < kRows; ++r)
@@ -82,27 +123,53 @@ inline void block_scores(const float* q, const scalar_t* keys_t, float* scores, 
     for (int64_t d = 0; d < dim; ++d)
       for (int r = 0; r < kRows; ++r) {
         const float qd = q[r * dim + d];
-        for (int64_t t = 0; t < bs; ++t) scores[r * bs + t] += qd * static_cast<float>(keys_t[d * bs + t]);
+        const scalar_t* kd = keys + (d / 2) * 2 * bs + (d & 1);
+        for (int64_t t = 0; t < bs; ++t) scores[r * bs + t] += qd * static_cast<float>(kd[2 * t]);
       }
   }
 }
 
 // out[r] = out[r] * correction[r] + sum_t p[r][t] * value[t], for kRows rows and one block.
+// The bf16 path takes p rounded to bf16 (p_pairs: pairs of tokens).
 template <int BS, int D, typename scalar_t>
-inline void block_values(const float* p, const float* correction, const scalar_t* values, int64_t value_stride,
+inline void block_values(const float* p, const uint32_t* p_pairs, const float* correction, const scalar_t* values,
                          float* out, int64_t bs_rt, int64_t d_rt) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   const int64_t dim = D > 0 ? D : d_rt;
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Dot<scalar_t, BS, D>) {
+    constexpr int kChunks = D % 64 == 0 ? 4 : D % 32 == 0 ? 2 : 1;  // up to 64 channels at a time
+    for (int d0 = 0; d0 < D; d0 += 16 * kChunks) {
+      __m512 acc[kRows][kChunks];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kChunks; ++c)
+          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * D + d0 + 16 * c), _mm512_set1_ps(correction[r]));
+      for (int tp = 0; tp < BS / 2; ++tp) {
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512bh v = (__m512bh)_mm512_loadu_si512(values + (tp * D + d0 + 16 * c) * 2);
+          for (int r = 0; r < kRows; ++r)
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p_pairs[r * (BS / 2) + tp]), v);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+    }
+    return;
+  }
+#endif
   if constexpr (D > 0) {
     float acc[kRows][D];
     for (int r = 0; r < kRows; ++r)
       for (int d = 0; d < D; ++d) acc[r][d] = out[r * D + d] * correction[r];
-    for (int64_t t = 0; t < bs; ++t) {
-      float vt[D];
-      for (int d = 0; d < D; ++d) vt[d] = static_cast<float>(values[t * value_stride + d]);
+    for (int64_t tp = 0; tp < bs / 2; ++tp) {
+      float v0[D], v1[D];
+      for (int d = 0; d < D; ++d) {
+        v0[d] = static_cast<float>(values[(tp * D + d) * 2]);
+        v1[d] = static_cast<float>(values[(tp * D + d) * 2 + 1]);
+      }
       for (int r = 0; r < kRows; ++r) {
-        const float pt = p[r * bs + t];
-        for (int d = 0; d < D; ++d) acc[r][d] += pt * vt[d];
+        const float p0 = p[r * bs + 2 * tp], p1 = p[r * bs + 2 * tp + 1];
+        for (int d = 0; d < D; ++d) acc[r][d] += p0 * v0[d] + p1 * v1[d];
       }
     }
     for (int r = 0; r < kRows; ++r)
@@ -110,12 +177,73 @@ inline void block_values(const float* p, const float* correction, const scalar_t
   } else {
     for (int r = 0; r < kRows; ++r)
       for (int64_t d = 0; d < dim; ++d) out[r * dim + d] *= correction[r];
-    for (int64_t t = 0; t < bs; ++t)
+    for (int64_t t = 0; t < bs; ++t) {
+      const scalar_t* vt = values + (t / 2) * 2 * dim + (t & 1);
       for (int r = 0; r < kRows; ++r) {
         const float pt = p[r * bs + t];
-        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] += pt * static_cast<float>(values[t * value_stride + d]);
+        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] += pt * static_cast<float>(vt[2 * d]);
       }
+    }
   }
+}
+
+#if defined(__AVX512BF16__)
+// e^x for 16 lanes: vec_math.h's exp_approx, in intrinsics
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), p, scale);
+}
+#endif
+
+// Online softmax over one block for kRows rows: scores become p = exp(score - max) where
+// the key is visible (0 elsewhere), and each row's running max and sum move on; the
+// factor earlier outputs must be rescaled by goes to `correction`. The bf16 path rounds p
+// to bf16 (what the value products take, as `p_pairs`) and sums the rounded values.
+// Returns whether any row sees a key of the block.
+template <typename scalar_t, int BS, int D>
+inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64_t key0, float* row_max,
+                          float* row_sum, float* correction, uint32_t* p_pairs, int64_t bs_rt) {
+  const int64_t bs = BS > 0 ? BS : bs_rt;
+  bool any = false;
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t t0 = std::max<int64_t>(lo[r] - key0, 0);
+    const int64_t t1 = std::min<int64_t>(hi[r] - key0, bs - 1);
+    float* row = sc + r * bs;
+    float mx = row_max[r], sum = 0.f;
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot<scalar_t, BS, D>) {
+      const __mmask16 visible = t0 > t1 ? 0 : static_cast<__mmask16>(((1u << (t1 + 1)) - 1) & ~((1u << t0) - 1));
+      const __m512 scores = _mm512_loadu_ps(row);
+      if (visible) mx = std::max(mx, _mm512_mask_reduce_max_ps(visible, scores));
+      const __m512 p = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(mx))));
+      const __m256bh rounded = _mm512_cvtneps_pbh(p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + r * (BS / 2)), (__m256i)rounded);
+      sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
+    } else
+#endif
+    {
+      for (int64_t t = t0; t <= t1; ++t) mx = std::max(mx, row[t]);
+      for (int64_t t = 0; t < bs; ++t) row[t] = (t >= t0 && t <= t1) ? vlmserve::exp_approx(std::min(row[t] - mx, 0.f)) : 0.f;
+      for (int64_t t = 0; t < bs; ++t) sum += row[t];
+    }
+    correction[r] = vlmserve::exp_approx(row_max[r] - mx);  // 0 before the first visible key
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+    row_max[r] = mx;
+    any = any || t0 <= t1;
+  }
+  return any;
 }
 
 template <typename scalar_t, int BS, int D>
@@ -140,18 +268,18 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     const int64_t head = w.kv_head * group + r % group;
     const scalar_t* src = q + (token * q_heads + head) * dim;
     for (int64_t d = 0; d < dim; ++d) s.q[r * dim + d] = static_cast<float>(src[d]) * scale;
+    if constexpr (kBf16Dot<scalar_t, BS, D>) std::memcpy(s.q_pairs.data() + r * dim / 2, src, dim * sizeof(scalar_t));
     const int64_t pos = first_pos + w.q_begin + r / group;
     s.hi[r] = static_cast<int32_t>(pos);
     s.lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
   }
   const int64_t last_pos = first_pos + w.q_end - 1;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + w.q_begin - window + 1) : 0;
-  const int64_t value_stride = dim;  // between two tokens of a block
   const int64_t block_elems = dim * bs;  // of one head, in either cache
   float correction[kRows];
   for (int64_t b = lo / bs; b <= last_pos / bs; ++b) {
     const int64_t block = block_table[b];
-    const scalar_t* keys_t = k_cache + (block * kv_heads + w.kv_head) * block_elems;
+    const scalar_t* keys = k_cache + (block * kv_heads + w.kv_head) * block_elems;
     const scalar_t* values = v_cache + (block * kv_heads + w.kv_head) * block_elems;
     if (b < last_pos / bs) {  // the next block of this head: a random place in memory
       const int64_t next = (block_table[b + 1] * kv_heads + w.kv_head) * block_elems;
@@ -165,23 +293,12 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     const int64_t key0 = b * bs;
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       float* sc = s.scores.data() + r0 * bs;
-      block_scores<BS, D>(s.q.data() + r0 * dim, keys_t, sc, bs, dim);
-      bool any = false;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t t0 = std::max<int64_t>(s.lo[r0 + r] - key0, 0);
-        const int64_t t1 = std::min<int64_t>(s.hi[r0 + r] - key0, bs - 1);
-        float* row = sc + r * bs;
-        float mx = s.row_max[r0 + r];
-        for (int64_t t = t0; t <= t1; ++t) mx = std::max(mx, row[t]);
-        for (int64_t t = 0; t < bs; ++t) row[t] = (t >= t0 && t <= t1) ? vlmserve::exp_approx(std::min(row[t] - mx, 0.f)) : 0.f;
-        float sum = 0.f;
-        for (int64_t t = 0; t < bs; ++t) sum += row[t];
-        correction[r] = vlmserve::exp_approx(s.row_max[r0 + r] - mx);  // 0 before the first visible key
-        s.row_sum[r0 + r] = s.row_sum[r0 + r] * correction[r] + sum;
-        s.row_max[r0 + r] = mx;
-        any = any || t0 <= t1;
-      }
-      if (any) block_values<BS, D>(sc, correction, values, value_stride, s.o.data() + r0 * dim, bs, dim);
+      block_scores<BS, D>(s.q.data() + r0 * dim, s.q_pairs.data() + r0 * dim / 2, scale, keys, sc, bs, dim);
+      const bool any = block_softmax<scalar_t, BS, D>(sc, s.lo.data() + r0, s.hi.data() + r0, key0,
+                                                       s.row_max.data() + r0, s.row_sum.data() + r0, correction,
+                                                       s.p_pairs.data(), bs);
+      if (!any) continue;
+      block_values<BS, D>(sc, s.p_pairs.data(), correction, values, s.o.data() + r0 * dim, bs, dim);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -199,7 +316,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
          int64_t window, double scale) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t q_heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);
+  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);  // keys [blocks, heads, D / 2, bs, 2]
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
@@ -248,7 +365,7 @@ template <typename scalar_t>
 void dispatch(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens, int64_t window,
               double scale) {
-  switch (k_cache.size(3)) {
+  switch (k_cache.size(3)) {  // the block size
     case 16:
       return dispatch_head_size<scalar_t, 16>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window,
                                               scale);
@@ -263,14 +380,15 @@ void dispatch(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, c
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
                            int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad shapes");
-  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
-                  k_cache.size(3) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3),
-              "the key cache must be [blocks, kv_heads, D, block_size] and the value cache [blocks, kv_heads, "
-              "block_size, D]");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5, "bad shapes");
+  const int64_t blocks = k_cache.size(0), kv_heads = k_cache.size(1), dim = q.size(2), bs = k_cache.size(3);
+  TORCH_CHECK(k_cache.sizes() == at::IntArrayRef({blocks, kv_heads, dim / 2, bs, 2}) &&
+                  v_cache.sizes() == at::IntArrayRef({blocks, kv_heads, bs / 2, dim, 2}) && dim % 2 == 0 && bs % 2 == 0,
+              "the key cache must be [blocks, kv_heads, D / 2, block_size, 2] and the value cache [blocks, kv_heads, "
+              "block_size / 2, D, 2]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "head sizes do not match");
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "the query heads must be a multiple of the KV heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt,
               "block_tables, query_start and seq_lens must be int32");
@@ -294,11 +412,48 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// Stores this step's keys and values ([tokens, kv_heads, D]) at their slots, in the pair
+// layouts of the caches.
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 5 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k.scalar_type() == k_cache.scalar_type(),
+              "bad shapes or dtypes");
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), bs = k_cache.size(3);
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
+    const scalar_t* kp = kc.data_ptr<scalar_t>();
+    const scalar_t* vp = vc.data_ptr<scalar_t>();
+    scalar_t* kcp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vcp = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = sp[t] / bs, off = sp[t] % bs;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* kt = kp + (t * heads + h) * dim;
+          const scalar_t* vt = vp + (t * heads + h) * dim;
+          scalar_t* kb = kcp + (block * heads + h) * dim * bs + off * 2;  // [D / 2, bs, 2]
+          scalar_t* vb = vcp + ((block * heads + h) * (bs / 2) + off / 2) * dim * 2 + (off & 1);  // [bs / 2, D, 2]
+          for (int64_t d = 0; d < dim; ++d) {
+            kb[(d / 2) * bs * 2 + (d & 1)] = kt[d];
+            vb[d * 2] = vt[d];
+          }
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vlmserve_cpu, m) {
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
         "Tensor seq_lens, int window, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
