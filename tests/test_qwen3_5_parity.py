@@ -32,7 +32,7 @@ def test_kv_cache_groups_of_a_hybrid_model(llm):
     kv = llm.engine.engine_core.scheduler.kv_cache_manager
     kinds = [type(g.spec).__name__ for g in kv.config.groups]
     assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]
-    assert kv.config.num_state_slots > llm.engine.scheduler_config.max_num_seqs
+    assert kv.config.num_state_slots > llm.engine.args.max_num_seqs
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -58,7 +58,7 @@ def test_chunked_prefill_through_an_image(qwen35_path, hf_qwen35):
     text, images = CASES["two_images"]
     out = llm.generate(request(hf_qwen35, text, images), greedy(prompt_logprobs=-1))[0]
     check(out, hf_qwen35, text, images, 16, prompt_logprobs=True)
-    assert llm.engine.encoder_runs == 2
+    assert llm.engine.engine_core.runner.encoder_runs == 2
     assert_all_free(llm)
 
 

@@ -9,7 +9,7 @@ from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, group_layers
-from vlmserve.core.kv_cache_utils import make_block_hasher
+from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.core.sched_output import ModelRunnerOutput
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -41,7 +41,7 @@ def make_request(rid, prompt_len, max_tokens, images=(), priority=0, arrival=Non
         feats.append(MultiModalFeature("image", h, off, n, {}))
     return Request(
         rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), EOS, feats,
-        arrival_time=arrival, priority=priority, block_hasher=make_block_hasher(BS),
+        arrival_time=arrival, priority=priority, block_hasher=BlockHasher(BS),
     )
 
 

@@ -1,14 +1,17 @@
 """Faults inside the server, through a real uvicorn server and the official client: a
 fault in the model fails the requests of its step with 500 and the next request works;
-an engine that died answers 503, and /health says so.
-
-The server runs in this process (uvicorn in a thread) so that the faults can be put
-into its engine; everything else is as `vlmserve serve` runs it."""
+an engine that died answers 503, and /health says so (there, the server runs in this
+process with the engine core in-process, so that the faults can be put into it). And a
+real `vlmserve serve` whose engine core process is killed exits non-zero."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -83,45 +86,35 @@ def test_an_engine_that_died_answers_503(served):
     assert info.value.body["type"]  # OpenAI's error JSON
 
 
-DYING_SERVER = """
-import logging
-import sys
-from vlmserve.engine.async_llm import AsyncLLM
-from vlmserve.entrypoints.cli import build_parser, engine_args_from
-from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
-
-args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--port", sys.argv[2], "--num-kv-blocks", "256"])
-logging.basicConfig(level="INFO")  # as `vlmserve serve` does
-engine = AsyncLLM(engine_args_from(args))
-engine.engine.engine_core.scheduler.schedule = lambda: 1 / 0  # a bug that kills the engine loop
-serve_engine_app(engine, OpenAIServer(engine, "tiny").build_app(), args)
-"""
+def children_of(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
-def test_a_server_whose_engine_died_exits_non_zero(qwen25_path):
-    """What `vlmserve serve` runs, with a bug put into its scheduler: the request in flight
-    gets a 503, then the process exits with code 1 for its supervisor to restart it."""
-    import subprocess
-    import sys
+def test_a_server_whose_engine_core_died_exits_non_zero(qwen25_path):
+    """`vlmserve serve` whose engine core process is killed while a request streams: the
+    stream ends with an error event and [DONE], and the server exits with code 1 for its
+    supervisor to restart it."""
+    from test_openai_server import Server
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, qwen25_path, str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    s = Server(qwen25_path, "--num-kv-blocks", "512", "--engine-process")
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "the server did not start"
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+        (core,) = [pid for pid in children_of(s.proc.pid)
+                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        events = []
+        with httpx.stream("POST", s.base + "/v1/completions", timeout=120,
+                          json={"prompt": "a", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
                     break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        with pytest.raises(openai.APIStatusError) as info:
-            ask(base)
-        assert info.value.status_code == 503 and "engine" in info.value.message
-        assert proc.wait(timeout=60) == 1
-        assert "the engine died" in proc.stdout.read()
+            os.kill(core, signal.SIGKILL)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "engine" in json.loads(events[-2])["error"]["message"]
+        assert s.proc.wait(timeout=60) == 1
+        assert "the engine died" in "".join(s.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if s.proc.poll() is None:
+            s.proc.kill()

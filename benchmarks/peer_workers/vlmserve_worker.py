@@ -14,6 +14,7 @@ def main() -> None:
     out = protocol_stdout()
     ap = worker_args(__doc__)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--profile", action="store_true", help="time each phase of the engine's steps")
     args = ap.parse_args()
 
     import torch
@@ -23,18 +24,23 @@ def main() -> None:
 
     requests = load_workload(args.workload)
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_gb=2)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_gb=2,
+              time_steps=args.profile)
     start_seconds = time.perf_counter() - t
 
     def reset() -> None:
         if not llm.engine.reset_caches():
             raise RuntimeError("vlmserve did not reset its caches: requests are still running")
+        llm.engine.timer.reset()
 
     def run(message: dict) -> dict[str, Any]:
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         outs = llm.generate(prompts, params)
-        return summarize(requests, [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs))
+        result = summarize(requests, [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs))
+        if args.profile:
+            result.update(phases=llm.engine.timer.report(), steps=llm.engine.timer.steps)
+        return result
 
     serve(out, start_seconds, reset, run)
 

@@ -39,19 +39,21 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def make_block_hasher(block_size: int):
-    """Returns a function giving the hashes of a request's newly filled blocks."""
+class BlockHasher:
+    """Gives the hashes of a request's newly filled blocks (a class, not a closure, so that
+    a request can be sent to an engine core in another process)."""
 
-    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def __call__(self, request: Request) -> list[BlockHash]:
         start_block = len(request.block_hashes)
-        end_block = request.num_tokens // block_size
+        end_block = request.num_tokens // self.block_size
         parent = request.block_hashes[-1] if request.block_hashes else NONE_HASH
         tokens = request.all_token_ids
         new_hashes = []
         for i in range(start_block, end_block):
-            start, end = i * block_size, (i + 1) * block_size
+            start, end = i * self.block_size, (i + 1) * self.block_size
             parent = hash_block_tokens(parent, tokens[start:end], block_extra_keys(request, start, end))
             new_hashes.append(parent)
         return new_hashes
-
-    return hash_new_full_blocks

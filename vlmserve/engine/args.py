@@ -46,6 +46,10 @@ class EngineArgs:
     processor_cache_gb: float = 0.25
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every item
     processing_threads: int = 4
+    # run the engine core (scheduler, model) in a process of its own, so that its step
+    # loop never waits for the front end's HTTP, media and detokenizing work (the servers)
+    engine_process: bool = False
+    time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.step_phases)
 
     def media_limits(self) -> MediaLimits:
         """The size and source checks every reader of this engine's media applies."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,10 @@ class AsyncLLM:
         self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-large-prompt")
         self._commands: queue.Queue = queue.Queue()
+        # written to with every command: wakes the engine thread while it waits for the
+        # outputs of an engine core in a process of its own
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
         # request id -> (its event loop, its output queue, completions it asked for)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._lock = threading.Lock()
@@ -94,7 +99,7 @@ class AsyncLLM:
             processed: ProcessedRequest = await loop.run_in_executor(
                 pool, self.engine.process_request, request_id, prompt, params, priority, cache_salt, time.time()
             )
-            self._commands.put(("add", processed))
+            self._command("add", processed)
             while True:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
@@ -107,14 +112,21 @@ class AsyncLLM:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._command("abort", request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._command("abort", request_id)
 
     def abort_all(self, error: str) -> None:
         """Ends every request in flight with an error (the drain deadline of a shutdown)."""
-        self._commands.put(("abort_all", error))
+        self._command("abort_all", error)
+
+    def _command(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # shut down
+            pass
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
@@ -130,10 +142,11 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._commands.put(("wake", None))
+        self._command("wake", None)
         self._thread.join(timeout=10)
         for pool in (self.pool, self.large_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()
 
     # -- engine thread ------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -147,7 +160,8 @@ class AsyncLLM:
                 # block for work only when idle; otherwise just drain what arrived
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests():
-                    self._publish(engine.step())
+                    # in-process: one step; a core process: its next outputs, or a new command
+                    self._publish(engine.step(self._wake_r))
                 self.stats = engine.stats()
         except BaseException as e:  # a bug, not bad input: fail every open stream loudly
             logger.exception("engine thread died")
@@ -169,6 +183,11 @@ class AsyncLLM:
             self._deliver(out.request_id, out)
 
     def _drain_commands(self, block: bool) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
         try:
             command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:

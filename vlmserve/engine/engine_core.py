@@ -1,20 +1,45 @@
-"""The inner loop: schedule -> execute -> update, over one scheduler and one runner."""
+"""The inner loop: schedule -> execute -> update, over one scheduler and one runner; and
+how both are built from the engine's settings (model, KV cache budget, context length)."""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
-from vlmserve.core.scheduler import EngineCoreOutput, Scheduler
+import torch
+
+from vlmserve.config import SchedulerConfig
+from vlmserve.core.encoder_cache_manager import EncoderCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
+from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
+from vlmserve.worker.allocator import keep_freed_memory
+from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class CoreInfo:
+    """What the front end learns from a built engine core."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    num_kv_cache_groups: int
+    dtype: str
+    seconds: float  # to build it
+
+
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, timer: PhaseTimer | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.timer = timer or PhaseTimer()
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
@@ -26,15 +51,22 @@ class EngineCore:
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
 
-    def reset_caches(self) -> None:
-        """Forgets the prefix and encoder caches (the engine must be idle)."""
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_caches(self) -> bool:
+        """Forgets the prefix and encoder caches; False (and nothing done) while requests run."""
+        if self.has_requests():
+            return False
         self.scheduler.reset_caches()
         self.runner.clear_encoder_cache()
+        return True
 
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
+        with self.timer.phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception as e:
@@ -47,4 +79,70 @@ class EngineCore:
                 for rid in ids
             ]
         self.num_steps += 1
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        with self.timer.phase("scheduler update"):
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | None,
+                      timer: PhaseTimer | None = None) -> tuple[EngineCore, CoreInfo]:
+    """Loads the model, sizes the KV cache from the memory budget, and builds the
+    scheduler and the runner."""
+    start = time.perf_counter()
+    keep_freed_memory()  # before the model's weights and the KV cache are allocated
+    torch.manual_seed(args.seed)
+    model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights)
+    dtype = next(model.parameters()).dtype
+    groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
+    kv_config = kv_cache_config(args, groups)
+    max_model_len = fit_max_model_len(args, hf_config, kv_config)
+    sched_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        encoder_compute_budget=args.encoder_compute_budget,
+        encoder_cache_size=args.encoder_cache_size,
+    )
+    timer = timer or PhaseTimer(args.time_steps)
+    runner = ModelRunner(model, hf_config, kv_config, sched_config, eos_token_id, args.device, args.seed, timer)
+    kv_manager = KVCacheManager(kv_config, max_model_len, args.enable_prefix_caching)
+    scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
+    info = CoreInfo(max_model_len, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
+                    time.perf_counter() - start)
+    return EngineCore(scheduler, runner, timer), info
+
+
+def kv_cache_config(args: EngineArgs, groups) -> KVCacheConfig:
+    """Splits the KV memory budget: recurrent layers first get a state slot for every
+    request that can run at once, plus snapshot slots for prefix caching (a quarter of
+    the budget at most); attention blocks get the rest."""
+    budget = int(args.kv_cache_memory_gb * (1 << 30))
+    slot_bytes = state_slot_bytes(groups)
+    num_slots = 0
+    if slot_bytes:
+        snapshots = args.num_state_snapshots
+        if snapshots is None:
+            snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.enable_prefix_caching else 0
+        num_slots = args.max_num_seqs + snapshots
+        budget -= num_slots * slot_bytes
+        if budget <= 0 and args.num_kv_blocks is None:
+            raise ValueError("kv_cache_memory_gb is too small for the recurrent states of max_num_seqs requests")
+    num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget)
+    return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots)
+
+
+def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig) -> int:
+    """The context length: the model's (or the one asked for), lowered until a single
+    request fits the KV cache, or it could never finish."""
+    text = getattr(hf_config, "text_config", hf_config)
+    model_len = getattr(text, "max_position_embeddings", 4096)
+    wanted = args.max_model_len or model_len
+    if wanted > model_len:
+        logger.warning("max_model_len %d exceeds the model's %d", wanted, model_len)
+    usable = kv_config.num_blocks - 1
+    fits = wanted
+    while fits > 1 and sum(g.spec.max_blocks_for(fits) for g in kv_config.groups) > usable:
+        fits = fits * 3 // 4
+    if fits < wanted:
+        logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)
+    return fits

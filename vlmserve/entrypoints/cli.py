@@ -76,6 +76,9 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     h.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request may take to send its body")
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they are cut off")
+    h.add_argument("--engine-process", action="store_true",
+                   help="run the engine core in a process of its own (measured: slower on 2 cores, where the two "
+                        "processes share the cores; for machines with cores to spare)")
     h.add_argument("--log-level", default="INFO")
 
 
@@ -103,6 +106,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         media_fetch_timeout=args.media_fetch_timeout,
         processor_cache_gb=args.processor_cache_gb,
         image_background=args.image_background,
+        engine_process=getattr(args, "engine_process", False),
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.kernels.attention import build_attention_metadata, kv_cache_shapes
 from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
@@ -44,8 +45,10 @@ class ModelRunner:
         eos_token_id: int | None,
         device: str = "cpu",
         seed: int = 0,
+        timer: PhaseTimer | None = None,
     ) -> None:
         self.model = model
+        self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
         self.hf_config = hf_config
         self.kv_cache_config = kv_cache_config
@@ -101,18 +104,24 @@ class ModelRunner:
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
+        timer = self.timer
+        with timer.phase("runner: inputs"):
+            self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [])
-        self._run_encoder(so)
-        step = self._prepare_inputs(so)
-        embeds = self.model.embed_input_ids(step.input_ids)
-        self._merge_multimodal_embeddings(step, embeds)
-        ctx = self._forward_context(step)
-        self._copy_states(so.state_restores)
-        hidden = self.model.forward(embeds, step.positions, ctx)
-        self._copy_states(so.state_saves)
-        return self._sample(step, hidden)
+        with timer.phase("runner: encoder"):
+            self._run_encoder(so)
+        with timer.phase("runner: inputs"):
+            step = self._prepare_inputs(so)
+            embeds = self.model.embed_input_ids(step.input_ids)
+            self._merge_multimodal_embeddings(step, embeds)
+            ctx = self._forward_context(step)
+        with timer.phase("runner: forward"):
+            self._copy_states(so.state_restores)
+            hidden = self.model.forward(embeds, step.positions, ctx)
+            self._copy_states(so.state_saves)
+        with timer.phase("runner: sample"):
+            return self._sample(step, hidden)
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Recurrent-state slot copies the scheduler asked for (prefix-cache restores

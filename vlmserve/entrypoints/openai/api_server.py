@@ -129,7 +129,7 @@ class OpenAIServer:
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "vlmserve",
-            "max_model_len": self.engine.engine.scheduler_config.max_model_len,
+            "max_model_len": self.engine.engine.max_model_len,
         }]}
 
     # -- shared request handling ---------------------------------------------------------------------
