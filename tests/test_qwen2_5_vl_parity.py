@@ -103,24 +103,24 @@ def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
     check(out, hf_qwen25, text, images, 16, prompt_logprobs=True)
     # both images (20 and 24 embeddings) were cut across several 7-token steps
     assert llm.engine.engine_core.num_steps > out.num_prompt_tokens // 7
-    assert llm.engine.encoder_runs == 2
+    assert llm.engine.engine_core.runner.encoder_runs == 2
 
 
 def test_prefix_cache_hit_reuses_kv_and_skips_the_encoder(qwen25_path, hf_qwen25):
     llm = LLM(qwen25_path, num_kv_blocks=256)
     text = "Describe the image. " * 3
     first = llm.generate(request(hf_qwen25, text, [IMG_A]), greedy())[0]
-    assert first.num_cached_tokens == 0 and llm.engine.encoder_runs == 1
+    assert first.num_cached_tokens == 0 and llm.engine.engine_core.runner.encoder_runs == 1
     second = llm.generate(request(hf_qwen25, text, [IMG_A]), greedy())[0]
     assert second.num_cached_tokens > 0
     assert second.num_cached_tokens == (second.num_prompt_tokens - 1) // 16 * 16
-    assert llm.engine.encoder_runs == 1  # not run again
+    assert llm.engine.engine_core.runner.encoder_runs == 1  # not run again
     check(second, hf_qwen25, text, [IMG_A], 16)
     # a different picture behind the same placeholder tokens: no hit past the image start
     other = llm.generate(request(hf_qwen25, text, [IMG_C]), greedy())[0]
     assert other.prompt_token_ids == second.prompt_token_ids
     assert other.num_cached_tokens == 0  # the image starts inside block 0
-    assert llm.engine.encoder_runs == 2
+    assert llm.engine.engine_core.runner.encoder_runs == 2
     check(other, hf_qwen25, text, [IMG_C], 16)
 
 

@@ -33,7 +33,7 @@ def test_mixed_requests_under_preemption(qwen2vl_path, hf_qwen2vl):
 def test_a_repeated_picture_hits_the_prefix_cache(llm, hf_qwen2vl):
     text, images = CASES["one_image"]
     llm.generate(request(hf_qwen2vl, text, images), greedy())
-    runs = llm.engine.encoder_runs
+    runs = llm.engine.engine_core.runner.encoder_runs
     again = llm.generate(request(hf_qwen2vl, text, images), greedy())[0]
-    assert again.num_cached_tokens > 0 and llm.engine.encoder_runs == runs
+    assert again.num_cached_tokens > 0 and llm.engine.engine_core.runner.encoder_runs == runs
     check(again, hf_qwen2vl, text, images, 16)
