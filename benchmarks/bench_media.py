@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import bench_checkpoint, synthetic_image  # noqa: E402
+from common import peer_checkpoint, synthetic_image  # noqa: E402
 
 
 def encoded_images(n: int) -> list[bytes]:
@@ -38,7 +38,7 @@ def main() -> None:
     from vlmserve.multimodal.media import MediaLoader
     from vlmserve.multimodal.processor import MultiModalProcessor
 
-    path = bench_checkpoint()
+    path = peer_checkpoint("qwen2_5_vl")
     config = AutoConfig.from_pretrained(path)
     images = encoded_images(args.images)
 

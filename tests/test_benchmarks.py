@@ -24,8 +24,6 @@ def bench(name: str, *args: str, cache: Path) -> str:
 
 
 CASES = {  # benchmark: tiny arguments, and what its last lines must say
-    "bench_throughput.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4"],
-                            r"ratio \(vlmserve / best transformers, median throughput\): [0-9.]+x"),
     "bench_caption.py": (["--images", "4", "--repeats", "1", "--max-tokens", "4"], r"ratio: +[0-9.]+x +[0-9.]+x"),
     "bench_startup.py": (["--runs", "1"], r"first answer"),
     "bench_media.py": (["--images", "4", "--threads", "2"], r"images/s"),

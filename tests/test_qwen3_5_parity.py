@@ -3,7 +3,6 @@ gated attention, Qwen3-VL vision tower) — greedy tokens equal, logprobs within
 
 import pytest
 
-from conftest import make_image
 from test_qwen2_5_vl_parity import IMG_A, IMG_B, LONG_TEXT, check, greedy, request, run_together
 from vlmserve import LLM, SamplingParams
 

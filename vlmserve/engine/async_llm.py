@@ -179,8 +179,16 @@ class AsyncLLM:
                 listener(outputs)
             except Exception:  # a listener (metrics) never stops the engine
                 logger.exception("step listener %r failed", listener)
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        # one wake-up of each event loop per step, not one per request: a step of 256
+        # streams would otherwise cost 256 writes to the loop's self-pipe
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -225,6 +233,11 @@ class AsyncLLM:
         if target is not None:
             loop, out_queue, _ = target
             loop.call_soon_threadsafe(out_queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for out_queue, item in items:
+        out_queue.put_nowait(item)
 
 
 def _prompt_chars(prompt: Any) -> int:
