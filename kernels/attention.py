@@ -148,20 +148,11 @@ def paged_attention(
     return out
 
 
-@register("paged_attention", "cpu")
-def paged_attention_cpu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+@register("paged_attention", "cpu", available=cpu_extension.available)
+def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): the cache read in place, fp32
-    accumulation; the portable version where it could not be built."""
-    if not cpu_extension.available():
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    accumulation."""
     torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                                   meta.seq_lens, meta.sliding_window, scale)

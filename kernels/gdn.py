@@ -98,11 +98,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     return out
 
 
-@register("causal_conv1d", "cpu")
+@register("causal_conv1d", "cpu", available=cpu_extension.available)
 def causal_conv1d_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       meta: RecurrentMetadata) -> torch.Tensor:
-    if not cpu_extension.available():
-        return causal_conv1d(x, weight, conv_state, meta)
     return torch.ops.vlmserve_cpu.causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state)
 
 
@@ -124,13 +122,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out
 
 
-@register("gated_delta_rule", "cpu")
+@register("gated_delta_rule", "cpu", available=cpu_extension.available)
 def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
-    """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in
-    L1; the portable chunked form where it could not be built."""
-    if not cpu_extension.available():
-        return gated_delta_rule(q, k, v, g, beta, state, meta)
+    """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in L1."""
     return torch.ops.vlmserve_cpu.gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
                                                    meta.slots, meta.has_state)
 

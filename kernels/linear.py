@@ -54,8 +54,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@register("silu_and_mul", "cpu")
+@register("silu_and_mul", "cpu", available=cpu_extension.available)
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    if not cpu_extension.available():
-        return silu_and_mul(gate_up)
     return torch.ops.vlmserve_cpu.silu_and_mul(gate_up)

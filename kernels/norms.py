@@ -34,22 +34,16 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * x32.to(dtype) * torch.nn.functional.silu(gate.float())).to(dtype)
 
 
-@register("rms_norm", "cpu")
+@register("rms_norm", "cpu", available=cpu_extension.available)
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not cpu_extension.available():
-        return rms_norm(x, weight, eps)
     return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, None)
 
 
-@register("rms_norm_zero_centered", "cpu")
+@register("rms_norm_zero_centered", "cpu", available=cpu_extension.available)
 def rms_norm_zero_centered_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not cpu_extension.available():
-        return rms_norm_zero_centered(x, weight, eps)
     return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, True, None)
 
 
-@register("gated_rms_norm", "cpu")
+@register("gated_rms_norm", "cpu", available=cpu_extension.available)
 def gated_rms_norm_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not cpu_extension.available():
-        return gated_rms_norm(x, gate, weight, eps)
     return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, gate)

@@ -30,9 +30,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-@register("apply_rotary", "cpu")
+@register("apply_rotary", "cpu", available=cpu_extension.available)
 def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One pass in C++ (kernels/csrc/elementwise.cpp), x's dtype out."""
-    if not cpu_extension.available():
-        return apply_rotary(x, cos, sin)
     return torch.ops.vlmserve_cpu.apply_rotary(x, cos, sin)

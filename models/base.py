@@ -9,21 +9,26 @@ import torch
 from torch import nn
 
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import Linear, mrope_cos_sin
+from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
 class MRoPEDecoder(nn.Module):
     """Embeddings, decoder layers, final norm; cos/sin of the M-RoPE positions are made
-    once per step and shared by every layer. Subclasses set layers, norm, inv_freq,
-    mrope_section and interleaved."""
+    once per step and shared by every layer."""
 
-    embed_tokens: nn.Embedding
-    layers: nn.ModuleList
-    norm: nn.Module
-    mrope_section: list[int]
-    interleaved: bool = False
+    def __init__(self, cfg, layer_cls: type[nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
+                 default_section: list[int], default_theta: float, interleaved: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        rope = cfg.rope_parameters or {}
+        self.mrope_section = list(rope.get("mrope_section", default_section))
+        self.interleaved = bool(rope.get("mrope_interleaved", interleaved))
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope.get("rope_theta", default_theta)),
+                             persistent=False)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)

@@ -16,22 +16,11 @@ from vlmserve.kernels import ops
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.vision import PatchMerger, VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
 # ----------------------------------------------------------------------------- vision
-def vision_rotary_positions(grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
-    """(row, col) of every patch, patches ordered merge-block by merge-block: [patches, 2]."""
-    out = []
-    for t, h, w in grid_thw:
-        rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
-        cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
-        rows = rows.permute(0, 2, 1, 3).reshape(-1)
-        cols = cols.permute(0, 2, 1, 3).reshape(-1)
-        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
-    return torch.cat(out)
-
-
 def vision_windows(
     grid_thw: list[tuple[int, int, int]], merge: int, window_units: int
 ) -> tuple[torch.Tensor, list[int]]:
@@ -51,54 +40,10 @@ def vision_windows(
     return torch.from_numpy(np.concatenate(order)), lengths
 
 
-def vision_rotary_cos_sin(grid_thw: list[tuple[int, int, int]], merge: int,
-                          inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D rotary angles of every patch: the row's frequencies, then the column's, twice."""
-    rc = vision_rotary_positions(grid_thw, merge).to(inv_freq.device)
-    freqs = (rc[:, :, None].float() * inv_freq[None, None, :]).flatten(1)  # [n, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.qkv = Linear(dim, 3 * dim, bias=True)
-        self.proj = Linear(dim, dim, bias=True)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q = ops.apply_rotary(q.float(), cos, sin).to(x.dtype)
-        k = ops.apply_rotary(k.float(), cos, sin).to(x.dtype)
-        out = ops.varlen_attention(q, k, v, seq_lens, self.head_dim**-0.5)
-        return self.proj(out.reshape(n, -1))
-
-
-class VisionBlock(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
-
-    def forward(self, x, cos, sin, seq_lens):
-        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchMerger(nn.Module):
-    def __init__(self, out_dim: int, context_dim: int, merge: int, norm: type[nn.Module] = RMSNorm) -> None:
-        super().__init__()
-        self.hidden = context_dim * merge * merge
-        self.ln_q = norm(context_dim, 1e-6)
-        self.mlp = nn.Sequential(Linear(self.hidden, self.hidden), nn.GELU(), Linear(self.hidden, out_dim))
-
-    def forward(self, x):
-        return self.mlp(self.ln_q(x).view(-1, self.hidden))
+def vision_block(cfg) -> VisionBlock:
+    return VisionBlock(RMSNorm(cfg.hidden_size, 1e-6), RMSNorm(cfg.hidden_size, 1e-6),
+                       VisionAttention(cfg.hidden_size, cfg.num_heads),
+                       GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True))
 
 
 class VisionTransformer(nn.Module):
@@ -113,7 +58,7 @@ class VisionTransformer(nn.Module):
         head_dim = cfg.hidden_size // cfg.num_heads
         theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim // 2, theta), persistent=False)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg.out_hidden_size, cfg.hidden_size, self.merge)
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -161,14 +106,8 @@ class DecoderLayer(nn.Module):
 
 class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rope = cfg.rope_parameters or {}
-        self.mrope_section = list(rope.get("mrope_section", [16, 24, 24]))
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope.get("rope_theta", 1e6)), persistent=False)
+        super().__init__(cfg, DecoderLayer, RMSNorm, head_dim, default_section=[16, 24, 24], default_theta=1e6)
 
 
 # ----------------------------------------------------------------------------- model

@@ -12,12 +12,8 @@ import torch
 from torch import nn
 
 from vlmserve.models.layers import ACTIVATIONS, Linear, mrope_positions, rope_inv_freq
-from vlmserve.models.qwen2_5_vl import (
-    PatchMerger,
-    Qwen2_5_VLForConditionalGeneration,
-    VisionAttention,
-    vision_rotary_cos_sin,
-)
+from vlmserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from vlmserve.models.vision import PatchMerger, VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -32,17 +28,10 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio), cfg.hidden_act)
-
-    def forward(self, x, cos, sin, seq_lens):
-        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
-        return x + self.mlp(self.norm2(x))
+def vision_block(cfg) -> VisionBlock:
+    return VisionBlock(nn.LayerNorm(cfg.embed_dim, eps=1e-6), nn.LayerNorm(cfg.embed_dim, eps=1e-6),
+                       VisionAttention(cfg.embed_dim, cfg.num_heads),
+                       VisionMLP(cfg.embed_dim, int(cfg.embed_dim * cfg.mlp_ratio), cfg.hidden_act))
 
 
 class VisionTransformer(nn.Module):
@@ -54,7 +43,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = Linear(patch_dim, cfg.embed_dim, bias=False)
         theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.embed_dim // cfg.num_heads // 2, theta), persistent=False)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
         # the vision config's hidden_size is the language model's width: the merger's output
         self.merger = PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge, norm=nn.LayerNorm)
 

@@ -28,7 +28,7 @@ from vlmserve.models.layers import (
     mrope_positions,
     rope_inv_freq,
 )
-from vlmserve.models.qwen2_5_vl import VisionAttention, vision_rotary_cos_sin
+from vlmserve.models.vision import VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -44,17 +44,10 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(self, x, cos, sin, seq_lens):
-        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
-        return x + self.mlp(self.norm2(x))
+def vision_block(cfg) -> VisionBlock:
+    return VisionBlock(nn.LayerNorm(cfg.hidden_size, eps=1e-6), nn.LayerNorm(cfg.hidden_size, eps=1e-6),
+                       VisionAttention(cfg.hidden_size, cfg.num_heads),
+                       VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
 
 
 class PatchMerger(nn.Module):
@@ -81,7 +74,7 @@ class VisionTransformer(nn.Module):
         self.grid_side = int(cfg.num_position_embeddings**0.5)
         theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.hidden_size // cfg.num_heads // 2, theta), persistent=False)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
 
     def position_embeddings(self, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -196,15 +189,9 @@ class DecoderLayer(nn.Module):
 
 class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        rope = cfg.rope_parameters or {}
-        rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
-        self.mrope_section = list(rope.get("mrope_section", [11, 11, 10]))
-        self.interleaved = bool(rope.get("mrope_interleaved", True))
-        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope.get("rope_theta", 1e7)), persistent=False)
+        rotary_dim = int(cfg.head_dim * (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+        super().__init__(cfg, DecoderLayer, ZeroCenteredRMSNorm, rotary_dim, default_section=[11, 11, 10],
+                         default_theta=1e7, interleaved=True)
 
 
 # ----------------------------------------------------------------------------- model

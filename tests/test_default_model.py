@@ -95,12 +95,15 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert model_loader.resolve_dtype("float32", config) == torch.float32  # an explicit dtype is kept
 
 
-def test_the_bf16_timing_answers_and_is_cached():
+def test_bf16_is_taken_only_where_it_is_clearly_faster(monkeypatch):
+    import torch
+
     from vlmserve.worker import model_loader
 
+    assert model_loader.bf16_pays(fp32_seconds=1.0, bf16_seconds=0.5)
+    assert not model_loader.bf16_pays(fp32_seconds=1.0, bf16_seconds=0.9)  # faster, but not by enough
+    assert not model_loader.bf16_pays(fp32_seconds=1.0, bf16_seconds=50.0)  # AVX2: bf16 emulated, ~50x slower
     model_loader.cpu_bf16_is_faster.cache_clear()
-    first = model_loader.cpu_bf16_is_faster()
-    assert isinstance(first, bool)
-    assert model_loader.cpu_bf16_is_faster.cache_info().hits == 0
-    assert model_loader.cpu_bf16_is_faster() is first  # timed once per process
-    assert model_loader.cpu_bf16_is_faster.cache_info().hits == 1
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert model_loader.cpu_bf16_is_faster() is False  # without oneDNN bf16, never (no timing taken)
+    model_loader.cpu_bf16_is_faster.cache_clear()

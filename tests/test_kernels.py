@@ -61,8 +61,10 @@ def paged_case(num_computed, query_lens, kv_heads, d, block_size, num_blocks=256
 def test_paged_attention_equals_dense_attention(impl, q_heads, kv_heads, window, block_size):
     """A mixed batch: decodes, a fresh prefill, a chunk over a cached prefix, a long
     prefill crossing tiles; with and without a window, GQA, three block sizes."""
+    from vlmserve.kernels import cpu_extension
     from vlmserve.kernels.attention import paged_attention, paged_attention_cpu
 
+    assert cpu_extension.available()  # a compiler is on these machines
     torch.manual_seed(0)
     d = 16
     num_computed = [0, 7, 16, 33, 0, 40, 5]
@@ -139,7 +141,8 @@ def test_no_packed_layout_where_there_is_none():
     half = Linear(8, 8).to(torch.float16)
     half.pack()
     assert half.packed_weight is None  # oneDNN packing is for fp32/bf16 only; fp16 stays plain
-    assert half(torch.randn(16, 8, dtype=torch.float16)).shape == (16, 8)
+    x = torch.randn(16, 8, dtype=torch.float16)
+    torch.testing.assert_close(half(x), F.linear(x, half.weight, half.bias))
 
 
 def test_packing_is_skipped_when_the_copy_would_not_fit():

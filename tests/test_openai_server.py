@@ -156,7 +156,9 @@ def test_n_stop_logprobs(server):
 @pytest.mark.slow
 def test_errors_have_the_right_status_and_the_next_request_works(server):
     client = server.client()
-    ok = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2)
+    ok = dict(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})
+    reference = client.chat.completions.create(**ok).choices[0].message.content
     cases = [
         (server.client("wrong-key"), dict(ok), openai.AuthenticationError, 401, "API key"),
         (client, dict(ok, model="gpt-4o"), openai.NotFoundError, 404, "does not exist"),
@@ -178,7 +180,8 @@ def test_errors_have_the_right_status_and_the_next_request_works(server):
         assert message in str(info.value)
         body = info.value.body if isinstance(info.value.body, dict) else {}
         assert body.get("message") or body.get("error")  # OpenAI's error JSON
-        assert client.chat.completions.create(**ok).choices[0].message.content is not None
+        after = client.chat.completions.create(**ok)  # the next request: served in full, as before
+        assert after.usage.completion_tokens == 4 and after.choices[0].message.content == reference
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def test_mixed_requests_under_preemption(qwen2vl_path, hf_qwen2vl):
     assert llm.engine.stats().num_preemptions > 0
     for out, (text, images, n) in zip(outs, specs):
         check(out, hf_qwen2vl, text, images, n, prompt_logprobs=True)
-    assert llm.engine.stats().blocks_in_use == [0]
+    assert not any(llm.engine.stats().blocks_in_use.values())
 
 
 def test_a_repeated_picture_hits_the_prefix_cache(llm, hf_qwen2vl):

@@ -92,7 +92,7 @@ def run_to_completion(sched, runner, on_step=None, max_steps=2000):
 def assert_everything_free(sched):
     kv = sched.kv_cache_manager
     assert kv.num_free_blocks == kv.config.num_blocks - 1
-    assert all(not blocks for m in kv.managers for blocks in m.req_to_blocks.values())
+    assert all(not blocks for _, m in kv.attention_managers for blocks in m.req_to_blocks.values())
     assert sched.encoder_cache_manager.num_referenced() == 0
     assert not sched.requests and not sched.running and not sched.waiting
 

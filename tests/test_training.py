@@ -42,12 +42,19 @@ def test_training_stops_resumes_and_exports(tmp_path):
     lines = (out / "train_log.jsonl").read_text().splitlines()
     assert len(lines) == 60 + 4 + 2 + 2  # every step once, across the interruption
 
-    from transformers import AutoModelForImageTextToText
+    # the exported model is a real checkpoint: transformers and vlmserve answer alike
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    AutoModelForImageTextToText.from_pretrained(out / "model")
-    reply = LLM(model=str(out / "model")).generate(["How many shapes are there?"],
-                                                    SamplingParams(temperature=0, max_tokens=4))[0]
-    assert reply.outputs[0].token_ids
+    processor = AutoProcessor.from_pretrained(out / "model")
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "How many shapes?"}]}],
+                                           add_generation_prompt=True)
+    ids = processor(text=[prompt], return_tensors="pt")["input_ids"]
+    model = AutoModelForImageTextToText.from_pretrained(out / "model", dtype=torch.float32)
+    expected = model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, ids.shape[1]:]
+    reply = LLM(model=str(out / "model"), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=4, min_tokens=4))[0]  # EOS banned, as min_new_tokens does
+    assert reply.outputs[0].token_ids == expected.tolist()
 
 
 def test_lookup_targets_point_at_the_object_each_answer_names():

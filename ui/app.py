@@ -19,9 +19,9 @@ from typing import Any
 import gradio as gr
 import openai
 
+from vlmserve.multimodal.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+
 ERROR_MARK = "⚠️"  # starts an answer that is an error message
-IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
 
 
 @dataclass
@@ -37,9 +37,9 @@ class Settings:
 def file_part(path: str, detail: str) -> dict[str, Any]:
     """An uploaded file as an OpenAI content part (a data URL: works with any server)."""
     ext = Path(path).suffix.lower()
-    mime = mimetypes.guess_type(path)[0] or ("video/mp4" if ext in VIDEO_EXTS else "image/png")
+    mime = mimetypes.guess_type(path)[0] or ("video/mp4" if ext in VIDEO_EXTENSIONS else "image/png")
     url = f"data:{mime};base64," + base64.b64encode(Path(path).read_bytes()).decode()
-    if ext in VIDEO_EXTS:
+    if ext in VIDEO_EXTENSIONS:
         return {"type": "video_url", "video_url": {"url": url}}
     return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
 
@@ -229,4 +229,4 @@ def sample_examples(folder: Path) -> list[tuple[str, str]]:
     if not index.is_file():
         return []
     items = json.loads(index.read_text())
-    return [(str(folder / it["file"]), it["question"]) for it in items if Path(it["file"]).suffix.lower() in IMAGE_EXTS]
+    return [(str(folder / it["file"]), it["question"]) for it in items if Path(it["file"]).suffix.lower() in IMAGE_EXTENSIONS]

@@ -19,12 +19,3 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 16
-    # KV memory budget; num_kv_blocks, when set, overrides it
-    kv_cache_memory_bytes: int = 1 << 30
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True

@@ -94,19 +94,18 @@ class _EngineCollector(Collector):
         yield gauge("num_requests_running", "Requests being computed.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("kv_cache_usage_perc", "Share of KV blocks in use (0-1).", s.kv_usage)
-        groups = list(enumerate(s.group_kinds))
-        per_group = [
-            (GaugeMetricFamily, "kv_cache_blocks_in_use", "KV blocks (attention) or state slots (recurrent) held by requests, per KV cache group.",
-             s.blocks_in_use),
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache, per group.",
-             s.prefix_cache_queries),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache, per group.",
-             s.prefix_cache_hits),
-        ]
-        for family, name, help_text, values in per_group:
-            metric = family(p + name, help_text, labels=["group", "kind"])
-            for (g, kind), value in zip(groups, values):
-                metric.add_metric([str(g), kind], value)
+        blocks = GaugeMetricFamily(p + "kv_cache_blocks_in_use", "KV blocks held by requests, per attention group.",
+                                   labels=["group", "kind"])
+        for g, n in s.blocks_in_use.items():
+            blocks.add_metric([str(g), s.group_kinds[g]], n)
+        yield blocks
+        for name, help_text, values in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache, per group.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache, per group.", s.prefix_cache_hits),
+        ):
+            metric = CounterMetricFamily(p + name, help_text, labels=["group", "kind"])
+            for g, value in enumerate(values):
+                metric.add_metric([str(g), s.group_kinds[g]], value)
             yield metric
         yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, all groups.",
                     sum(s.prefix_cache_hits) / max(sum(s.prefix_cache_queries), 1))

@@ -21,8 +21,6 @@ class RequestStatus(enum.IntEnum):
     # waiting states
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # structured output grammar compiling (not used yet)
-    WAITING_FOR_REMOTE_KVS = enum.auto()  # KV arriving from another node (not used yet)
-    WAITING_FOR_STREAMING_REQ = enum.auto()  # resumable session waiting for input (not used yet)
     # running states
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -30,7 +28,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -45,7 +42,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
@@ -177,13 +173,10 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return self.status.finish_reason()
 
-    def __lt__(self, other: Request) -> bool:
+    @property
+    def scheduling_key(self) -> tuple[int, float, str]:
         """Scheduling order: lower priority value first, then earlier arrival."""
-        if self.priority != other.priority:
-            return self.priority < other.priority
-        if self.arrival_time != other.arrival_time:
-            return self.arrival_time < other.arrival_time
-        return self.request_id < other.request_id
+        return self.priority, self.arrival_time, self.request_id
 
     def __repr__(self) -> str:
         return (

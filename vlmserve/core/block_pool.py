@@ -67,10 +67,6 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            self.append(block)
-
     def __iter__(self):
         node = self._head.next_free
         while node is not self._tail:

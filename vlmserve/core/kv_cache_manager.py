@@ -1,17 +1,20 @@
-"""The scheduler's interface to KV memory: prefix hits, slot allocation, freeing."""
+"""The scheduler's interface to KV memory: prefix hits, slot allocation, freeing.
+
+Attention groups hold blocks (one manager per group, sharing one block pool); recurrent
+groups hold a state slot per request (`RecurrentStateManager`). A prefix hit needs both:
+the attention blocks of the prefix, and a snapshot of the recurrent state at its end.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
-from vlmserve.core.kv_cache_spec import KVCacheConfig, MambaSpec
-from vlmserve.core.single_type_kv_cache_manager import MambaManager, make_manager
+from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig
+from vlmserve.core.recurrent_state_manager import RecurrentStateManager, StateHit
+from vlmserve.core.single_type_kv_cache_manager import make_manager
 from vlmserve.core.state_pool import StatePool
 from vlmserve.request import Request
-
-# per KV cache group, a request's blocks
-KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 
 
 @dataclass
@@ -22,167 +25,172 @@ class PrefixCacheStats:
     hits: list[int] = field(default_factory=list)
 
 
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a request that every group can serve."""
+
+    num_tokens: int
+    blocks: list[list[KVCacheBlock]]  # per attention group
+    state: StateHit | None  # the recurrent state's snapshot at num_tokens
+    group_tokens: list[int]  # what each group (in config order) found alone, for the stats
+
+
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, max_model_len: int, enable_caching: bool = True) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(config.num_blocks, enable_caching)
-        self.state_pool = StatePool(config.num_state_slots)
-        self.managers = [
-            MambaManager(g.spec, self.state_pool, i, enable_caching)
-            if isinstance(g.spec, MambaSpec)
-            else make_manager(g.spec, self.block_pool, i)
-            for i, g in enumerate(config.groups)
-        ]
-        self.has_recurrent_groups = any(isinstance(m, MambaManager) for m in self.managers)
         block_sizes = {g.spec.block_size for g in config.groups}
         if len(block_sizes) != 1:
             raise ValueError(f"all KV cache groups must share one block size, got {block_sizes}")
         self.block_size = block_sizes.pop()
-        self.stats = PrefixCacheStats([0] * len(self.managers), [0] * len(self.managers))
-        self._last_lookup: tuple[str, list[int]] = ("", [])
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.managers)
-
-    def empty_blocks(self) -> KVCacheBlocks:
-        return tuple([] for _ in self.managers)
+        # (index in config.groups, manager) of each attention group
+        self.attention_managers = [(i, make_manager(g.spec, self.block_pool, i))
+                                   for i, g in enumerate(config.groups) if isinstance(g.spec, AttentionSpec)]
+        self.recurrent_groups = [i for i, g in enumerate(config.groups) if not isinstance(g.spec, AttentionSpec)]
+        self.states = (RecurrentStateManager(StatePool(config.num_state_slots), self.block_size, enable_caching)
+                       if self.recurrent_groups else None)
+        self.stats = PrefixCacheStats([0] * len(config.groups), [0] * len(config.groups))
 
     # -- prefix cache ---------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest cached prefix usable by every group, and its length in tokens.
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """The longest cached prefix usable by every group.
 
         The last prompt token is always recomputed: its logits give the first output.
         Requests asking for prompt logprobs need every position computed, so they skip
         the lookup.
         """
+        no_hit = PrefixHit(0, [[] for _ in self.attention_managers], None, [0] * len(self.config.groups))
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return self.empty_blocks(), 0
-        max_length = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size)
-        length = max_length
-        first_pass: list[int] | None = None
+            return no_hit
+        length = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size)
+        group_tokens: list[int] | None = None
         while True:
-            hits = [m.find_longest_cache_hit(request.block_hashes, length) for m in self.managers]
-            lengths = [len(h) * self.block_size for h in hits]
-            if first_pass is None:
-                first_pass = lengths
+            blocks = [m.find_longest_cache_hit(request.block_hashes, length) for _, m in self.attention_managers]
+            lengths = [len(b) * self.block_size for b in blocks]
+            state = self.states.find_longest_hit(request.block_hashes, min(lengths, default=length)) \
+                if self.states else None
+            if self.states:
+                lengths.append(state.num_tokens if state else 0)
+            if group_tokens is None:
+                group_tokens = self._by_group(lengths)
             shortest = min(lengths, default=0)
             if shortest == length:
-                break
+                return PrefixHit(length, blocks, state, group_tokens)
             # a shorter hit in one group bounds all of them; ask every group again, since a
             # sliding-window hit is not simply a prefix of a longer one
             length = shortest
-        self._last_lookup = (request.request_id, first_pass)
-        return tuple(hits), length
 
-    def record_lookup(self, request: Request) -> None:
-        """Counts the last lookup of this request in the prefix-cache stats (once it is
-        scheduled, so a request that waits several steps is counted once)."""
-        rid, group_hits = self._last_lookup
-        if rid != request.request_id:
-            group_hits = [0] * self.num_groups
-        for g, hit in enumerate(group_hits):
+    def _by_group(self, lengths: list[int]) -> list[int]:
+        """Hit lengths listed attention groups first, recurrent last -> config order."""
+        out = [0] * len(self.config.groups)
+        for (g, _), n in zip(self.attention_managers, lengths):
+            out[g] = n
+        for g in self.recurrent_groups:
+            out[g] = lengths[-1]
+        return out
+
+    def record_hit(self, request: Request, hit: PrefixHit) -> None:
+        """Counts a request's lookup in the stats (once it is scheduled, so a request that
+        waits several steps is counted once)."""
+        for g, tokens in enumerate(hit.group_tokens):
             self.stats.queries[g] += request.num_tokens
-            self.stats.hits[g] += hit
+            self.stats.hits[g] += tokens
 
     # -- allocation -------------------------------------------------------------------
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-    ) -> KVCacheBlocks | None:
-        """Makes room for num_new_tokens more tokens; None if the pool cannot.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       hit: PrefixHit | None = None) -> list[list[int]] | None:
+        """Makes room for num_new_tokens more tokens; None if the pool cannot. Returns
+        the new block ids per attention group.
 
-        Prefix hits (new_computed_blocks, num_new_computed_tokens tokens) are taken
-        first. On success, the request's full blocks are registered in the prefix cache.
+        A new request's prefix hit is taken first (its blocks, its state snapshot). On
+        success, the request's full blocks are registered in the prefix cache.
         """
-        if new_computed_blocks is None:
-            new_computed_blocks = self.empty_blocks()
         rid = request.request_id
-        for manager in self.managers:
+        for _, manager in self.attention_managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        hit_blocks = hit.blocks if hit else [[] for _ in self.attention_managers]
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_tokens = min(num_computed + num_new_tokens, self.max_model_len)
-        needed = sum(
-            m.get_num_blocks_to_allocate(rid, num_tokens, new_computed_blocks[g])
-            for g, m in enumerate(self.managers)
-        )
+        needed = sum(m.get_num_blocks_to_allocate(rid, num_tokens, hit_blocks[a])
+                     for a, (_, m) in enumerate(self.attention_managers))
         if needed > self.block_pool.get_num_free_blocks():
             return None
-
+        if self.states:
+            self.states.take_slot(rid, hit.state if hit else None)
         new_blocks = []
-        for g, manager in enumerate(self.managers):
-            manager.save_new_computed_blocks(rid, new_computed_blocks[g])
-            new_blocks.append(manager.allocate_new_blocks(rid, num_tokens))
+        for a, (_, manager) in enumerate(self.attention_managers):
+            manager.save_new_computed_blocks(rid, hit_blocks[a])
+            new_blocks.append([b.block_id for b in manager.allocate_new_blocks(rid, num_tokens)])
         if self.enable_caching:
             cacheable = min(num_tokens, request.num_tokens)
-            for manager in self.managers:
+            for _, manager in self.attention_managers:
                 manager.cache_blocks(request, cacheable)
-        return tuple(new_blocks)
+            if self.states:
+                self.states.snapshot(request, cacheable)
+        return new_blocks
 
     def free(self, request: Request) -> None:
-        for manager in self.managers:
+        for _, manager in self.attention_managers:
             manager.free(request.request_id)
+        if self.states:
+            self.states.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():
             return False
-        self.state_pool.reset()
+        if self.states:
+            self.states.reset()
         return True
 
-    # -- recurrent groups ------------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------
     def chunk_end(self, request: Request, start: int, end: int) -> int:
-        """Where a step computing [start, end) must stop so that a recurrent group can
-        snapshot its state at a cache point (the state exists only at a step's end)."""
-        if not (self.enable_caching and self.has_recurrent_groups):
-            return end
-        mamba = next(m for m in self.managers if isinstance(m, MambaManager))
-        for point in request.cache_points:
-            if start < point < end and not mamba.has_snapshot(request, point):
-                return point
-        return end
+        """Where a step computing [start, end) must stop so that the recurrent state can
+        be snapshotted at a cache point."""
+        return self.states.next_cache_point(request, start, end) if self.states else end
 
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (snapshot -> live) restores and (live -> snapshot) saves."""
-        return self.state_pool.drain_copies()
+        return self.states.take_copies() if self.states else ([], [])
 
     def commit_step(self) -> None:
-        self.state_pool.commit()
+        if self.states:
+            self.states.commit_step()
 
     def discard_step(self, computed_before: dict[str, int]) -> None:
         """After a step that failed: what it was to compute must not be hit later.
         computed_before: request id -> tokens it had computed before the step."""
         for request_id, num_tokens in computed_before.items():
-            for manager in self.managers:
+            for _, manager in self.attention_managers:
                 manager.forget_from(request_id, num_tokens)
-        self.state_pool.abort_step()
+        if self.states:
+            self.states.discard_step()
 
     # -- views ---------------------------------------------------------------------------
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """Per group: block ids (attention) or the live state slot (recurrent)."""
-        return tuple(m.block_ids(request_id) for m in self.managers)
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """Per attention group: the request's block ids."""
+        return [m.block_ids(request_id) for _, m in self.attention_managers]
+
+    def state_slot(self, request_id: str) -> int | None:
+        """The request's recurrent-state slot (None without recurrent layers)."""
+        return self.states.slot(request_id) if self.states else None
 
     def num_held_blocks(self, request_id: str) -> list[int]:
-        return [m.num_held_blocks(request_id) for m in self.managers]
-
-    def blocks_in_use(self) -> list[int]:
-        """Per group: KV blocks referenced by some request, or live state slots."""
-        return [m.blocks_in_use() for m in self.managers]
+        return [m.num_held_blocks(request_id) for _, m in self.attention_managers]
 
     def group_kinds(self) -> list[str]:
         return [type(g.spec).__name__ for g in self.config.groups]
 
+    def blocks_in_use(self) -> dict[int, int]:
+        """Per attention group (by its index in the config): KV blocks some request holds."""
+        return {g: m.blocks_in_use() for g, m in self.attention_managers}
+
     def state_slots_in_use(self) -> int:
-        """Live recurrent-state slots (one per running request of a hybrid model)."""
-        return sum(len(m.live) for m in self.managers if isinstance(m, MambaManager))
+        return self.states.slots_in_use() if self.states else 0
 
     def num_state_snapshots(self) -> int:
-        return len(self.state_pool.snapshots)
+        return self.states.num_snapshots() if self.states else 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -191,7 +199,3 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
-
-    def max_blocks_for_request(self, num_tokens: int) -> int:
-        """Blocks one request of num_tokens needs at its peak, summed over groups."""
-        return sum(m.spec.max_blocks_for(num_tokens) for m in self.managers)

@@ -19,7 +19,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeature]
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]  # per KV cache group
+    block_ids: list[list[int]]  # per attention group of the KV cache
+    state_slot: int | None  # its recurrent-state slot (models with recurrent layers)
     num_computed_tokens: int  # prefix-cache hit
     mrope_positions: Any  # (3, num_prompt_tokens) tensor or None
     mrope_delta: int
@@ -30,7 +31,7 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    new_block_ids: list[list[list[int]]] = field(default_factory=list)  # per attention group
     num_computed_tokens: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:

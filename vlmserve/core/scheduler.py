@@ -49,7 +49,7 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     group_kinds: list[str]  # per KV cache group: the name of its spec
-    blocks_in_use: list[int]  # per KV cache group
+    blocks_in_use: dict[int, int]  # per attention group (by its index among the groups)
     num_free_blocks: int
     kv_usage: float
     prefix_cache_queries: list[int]  # tokens, per group, cumulative
@@ -62,6 +62,43 @@ class SchedulerStats:
     encoder_cache_entries_in_use: int  # referenced by requests that still need them
     encoder_cache_tokens: int
     num_preemptions: int
+
+
+@dataclass
+class StepPlan:
+    """What one schedule() call has decided so far; it lives for that call only."""
+
+    token_budget: int
+    encoder_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # request -> its media encoded now
+    encoder_cost: dict[str, int] = field(default_factory=dict)  # request -> encoder budget it took
+    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # per attention group
+    running: list[Request] = field(default_factory=list)  # running before, scheduled now
+    new: list[Request] = field(default_factory=list)  # from the waiting queue
+    preempted: list[Request] = field(default_factory=list)
+    encoding: set[str] = field(default_factory=set)  # mm_hashes sent to the encoder
+
+    def add(self, request: Request, num_new: int, to_encode: list[int], cost: int, blocks: list[list[int]],
+            new: bool = False) -> None:
+        rid = request.request_id
+        (self.new if new else self.running).append(request)
+        self.num_scheduled[rid] = num_new
+        self.token_budget -= num_new
+        self.encoder_budget -= cost
+        self.new_block_ids[rid] = blocks
+        if to_encode:
+            self.encoder_inputs[rid] = to_encode
+            self.encoder_cost[rid] = cost
+
+    def remove(self, request: Request) -> list[int]:
+        """Takes a running request back out of the step; returns its encoder inputs."""
+        rid = request.request_id
+        self.running.remove(request)
+        self.token_budget += self.num_scheduled.pop(rid)
+        self.encoder_budget += self.encoder_cost.pop(rid, 0)
+        self.new_block_ids.pop(rid)
+        return self.encoder_inputs.pop(rid, [])
 
 
 class Scheduler:
@@ -79,7 +116,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
-        self.encoding: set[str] = set()  # mm_hashes this step sends to the encoder
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,138 +148,123 @@ class Scheduler:
         self.encoder_cache_manager.reset()
         self.encoder_cache_manager.get_freed_mm_hashes()  # the runner clears all of its outputs
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     # -- the step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.config.max_num_batched_tokens
-        encoder_budget = self.config.encoder_compute_budget
-        num_scheduled: dict[str, int] = {}
-        encoder_inputs: dict[str, list[int]] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
-        self.encoding = set()
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.encoder_compute_budget)
+        self._schedule_running(plan)
+        if not plan.preempted:  # no new request while memory runs out
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
 
-        # 1. running requests: decodes and the next chunks of prefills
-        i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
-            to_encode: list[int] = []
-            if request.has_encoder_inputs:
-                to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
-                    request, request.num_computed_tokens, num_new, encoder_budget
-                )
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Running requests first, in order: decodes and the next chunks of prefills."""
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new, to_encode, cost = self._plan_tokens(request, request.num_computed_tokens, plan)
             if num_new == 0:
-                i += 1
+                self._cancel_encoder_inputs(request, to_encode, plan)
                 continue
-            while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-                if blocks is not None:
-                    break
-                # out of blocks: preempt the lowest-priority, latest-arrived request
-                victim = max(self.running)
-                if victim is request:
-                    self._cancel_encoder_inputs(request, to_encode)
-                elif victim.request_id in num_scheduled:  # scheduled earlier in this step
-                    token_budget += num_scheduled.pop(victim.request_id)
-                    scheduled_running.remove(victim)
-                    new_block_ids.pop(victim.request_id)
-                    victim_encodes = encoder_inputs.pop(victim.request_id, [])
-                    encoder_budget += sum(victim.mm_features[j].length for j in victim_encodes)
-                    self._cancel_encoder_inputs(victim, victim_encodes)
-                if self.running.index(victim) < i:
-                    i -= 1
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
+            blocks = self._allocate_or_preempt(request, num_new, to_encode, plan)
             if blocks is None:  # the request preempted itself: nothing more fits
                 break
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = tuple([b.block_id for b in g] for g in blocks)
-            token_budget -= num_new
-            if to_encode:
-                encoder_inputs[request.request_id] = to_encode
-            i += 1
+            plan.add(request, num_new, to_encode, cost, blocks)
 
-        # 2. waiting requests, by priority then arrival, unless memory just ran out
-        if not preempted:
-            while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting.peek()
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-                num_new = self._num_new_tokens(request, num_hit, token_budget)
-                if num_new == 0:
-                    break
-                to_encode = []
-                if request.has_encoder_inputs:
-                    to_encode, num_new, encoder_budget = self._schedule_encoder_inputs(
-                        request, num_hit, num_new, encoder_budget
-                    )
-                    if num_new == 0:
-                        self._cancel_encoder_inputs(request, to_encode)
-                        break
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_hit, hit_blocks)
-                if blocks is None:
-                    self._cancel_encoder_inputs(request, to_encode)
-                    break
-                self.waiting.pop()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.time()
-                request.num_computed_tokens = num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                    self.kv_cache_manager.record_lookup(request)
-                scheduled_new.append(request)
-                num_scheduled[request.request_id] = num_new
-                token_budget -= num_new
-                if to_encode:
-                    encoder_inputs[request.request_id] = to_encode
+    def _allocate_or_preempt(self, request: Request, num_new: int, to_encode: list[int],
+                             plan: StepPlan) -> list[list[int]] | None:
+        """KV slots for num_new more tokens, preempting the least important running
+        request (the latest of the lowest priority) until they fit; None if that was
+        the request itself."""
+        while True:
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if blocks is not None:
+                return blocks
+            victim = max(self.running, key=lambda r: r.scheduling_key)
+            self._preempt_during_step(victim, plan)
+            if victim is request:
+                self._cancel_encoder_inputs(request, to_encode, plan)
+                return None
 
-        total = sum(num_scheduled.values())
+    def _preempt_during_step(self, victim: Request, plan: StepPlan) -> None:
+        """Preempts a running request; if this step had scheduled it already, its tokens,
+        encoder budget and encoder inputs are given back."""
+        if victim.request_id in plan.num_scheduled:
+            self._cancel_encoder_inputs(victim, plan.remove(victim), plan)
+        self.running.remove(victim)
+        self._preempt(victim)
+        plan.preempted.append(victim)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Waiting requests, by priority then arrival, each after a prefix-cache lookup."""
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv_cache_manager.find_prefix_hit(request)
+            num_new, to_encode, cost = self._plan_tokens(request, hit.num_tokens, plan)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit) if num_new else None
+            if blocks is None:
+                self._cancel_encoder_inputs(request, to_encode, plan)
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:  # its first time: a preempted request counts once
+                request.num_cached_tokens = hit.num_tokens
+                self.kv_cache_manager.record_hit(request, hit)
+            plan.add(request, num_new, to_encode, cost, blocks, new=True)
+
+    def _plan_tokens(self, request: Request, num_computed: int, plan: StepPlan) -> tuple[int, list[int], int]:
+        """How many tokens the request computes this step, which of its media go through
+        the encoder for them, and the encoder budget that takes."""
+        num_new = self._num_new_tokens(request, num_computed, plan.token_budget)
+        if num_new == 0 or not request.has_encoder_inputs:
+            return num_new, [], 0
+        return self._schedule_encoder_inputs(request, num_computed, num_new, plan)
+
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        total = sum(plan.num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens
-        state_restores, state_saves = self.kv_cache_manager.take_state_copies()
+        state_restores, state_saves = kv.take_state_copies()
         new_reqs = [
             NewRequestData(
                 req_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
                 mm_features=r.mm_features,
                 sampling_params=r.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                block_ids=kv.block_ids(r.request_id),
+                state_slot=kv.state_slot(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 mrope_positions=r.mrope_positions,
                 mrope_delta=r.mrope_delta,
                 output_token_ids=list(r.output_token_ids),
             )
-            for r in scheduled_new
+            for r in plan.new
         ]
         cached = CachedRequestData()
-        for r in scheduled_running:
+        for r in plan.running:
             cached.req_ids.append(r.request_id)
-            cached.new_block_ids.append(new_block_ids[r.request_id])
+            cached.new_block_ids.append(plan.new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
+            num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=total,
-            scheduled_encoder_inputs=encoder_inputs,
+            scheduled_encoder_inputs=plan.encoder_inputs,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in plan.preempted},
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             state_restores=state_restores,
             state_saves=state_saves,
         )
         self.finished_req_ids = set()
         # progress is counted at schedule time, so the next step can be planned at once
-        for rid, n in num_scheduled.items():
+        for rid, n in plan.num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return output
 
@@ -257,12 +278,13 @@ class Scheduler:
         return end - num_computed
 
     def _schedule_encoder_inputs(
-        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+        self, request: Request, num_computed: int, num_new: int, plan: StepPlan
     ) -> tuple[list[int], int, int]:
         """Media whose placeholders this step's token range reaches and whose encoder
-        output is not cached. If one does not fit the encoder budget or cache, the step
-        stops just before its placeholder."""
+        output is not cached, and the encoder budget they take. If one does not fit the
+        budget or the cache, the step stops just before its placeholder."""
         to_encode: list[int] = []
+        cost = 0
         end = num_computed + num_new
         for i, feature in enumerate(request.mm_features):
             if feature.offset >= end:
@@ -271,7 +293,7 @@ class Scheduler:
                 continue  # already in the KV cache
             if any(request.mm_features[j].mm_hash == feature.mm_hash for j in to_encode):
                 continue  # the same picture twice in one request is encoded once
-            if feature.mm_hash in self.encoding:
+            if feature.mm_hash in plan.encoding:
                 # another request of this step sends it to the encoder; this one names
                 # that run too, so it still happens if the other one leaves the step
                 self.encoder_cache_manager.allocate(request, i)
@@ -281,21 +303,21 @@ class Scheduler:
             if self.encoder_cache_manager.check_and_update_cache(request, i):
                 request.media_sources.setdefault(i, "encoder_cache")
                 continue
-            if not self.encoder_cache_manager.can_allocate(request, i, encoder_budget):
+            if not self.encoder_cache_manager.can_allocate(request, i, plan.encoder_budget - cost):
                 num_new = max(feature.offset - num_computed, 0)
                 break
             self.encoder_cache_manager.allocate(request, i)
-            self.encoding.add(feature.mm_hash)
-            encoder_budget -= feature.length
+            plan.encoding.add(feature.mm_hash)
+            cost += feature.length
             to_encode.append(i)
             request.media_sources[i] = "encoded"
-        return to_encode, num_new, encoder_budget
+        return num_new, to_encode, cost
 
-    def _cancel_encoder_inputs(self, request: Request, input_ids: list[int]) -> None:
+    def _cancel_encoder_inputs(self, request: Request, input_ids: list[int], plan: StepPlan) -> None:
         """Undoes _schedule_encoder_inputs for a request that did not make it into the step."""
         for j in input_ids:
             if self.encoder_cache_manager.deallocate(request, j):
-                self.encoding.discard(request.mm_features[j].mm_hash)
+                plan.encoding.discard(request.mm_features[j].mm_hash)
         self.encoder_cache_manager.free(request)  # references taken on cache hits
 
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:

@@ -1,13 +1,14 @@
-"""Block bookkeeping of one KV cache group, by the kind of attention its layers do."""
+"""Block bookkeeping of one attention group of the KV cache, by the kind of attention its
+layers do (full, sliding window). Recurrent groups hold states, not blocks: see
+recurrent_state_manager.py."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
-from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vlmserve.core.kv_cache_utils import BlockHash
-from vlmserve.core.state_pool import StatePool
 from vlmserve.request import Request
 
 
@@ -138,84 +139,6 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             released.append(blocks[i])
             blocks[i] = null
         self.block_pool.free_blocks(released)
-
-
-class SnapshotHit:
-    """The last entry of a recurrent group's cache hit: the snapshot slot to resume from."""
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-
-
-class MambaManager:
-    """A recurrent (Gated DeltaNet) group: one live state slot per running request, and
-    prefix caching through snapshots of that state.
-
-    A snapshot is taken when a step ends exactly at one of the request's cache points
-    (block boundaries at the end of each media item, each message and the prompt: where a
-    later request is likely to diverge); the scheduler cuts chunks there. A hit resumes
-    from the longest snapshotted prefix.
-    """
-
-    def __init__(self, spec: MambaSpec, pool: StatePool, group_id: int, enable_caching: bool) -> None:
-        self.spec = spec
-        self.block_size = spec.block_size
-        self.pool = pool
-        self.group_id = group_id
-        self.enable_caching = enable_caching
-        self.live: dict[str, int] = {}
-
-    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list:
-        for n in range(max_length // self.block_size, 0, -1):
-            slot = self.pool.lookup(block_hashes[n - 1])
-            if slot is not None:
-                return [None] * (n - 1) + [SnapshotHit(slot)]
-        return []
-
-    def has_snapshot(self, request: Request, num_tokens: int) -> bool:
-        key = request.block_hashes[num_tokens // self.block_size - 1]
-        return key in self.pool.snapshots or key in self.pool.pending
-
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: list) -> int:
-        return 0  # states live in their own slots, not in KV blocks
-
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list) -> None:
-        if request_id in self.live:
-            return
-        slot = self.pool.take()
-        if slot is None:
-            raise RuntimeError("no free recurrent-state slot (more running requests than slots)")
-        self.live[request_id] = slot
-        if new_computed_blocks:
-            self.pool.restore(new_computed_blocks[-1].slot, slot)
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list:
-        return []
-
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if self.enable_caching and num_tokens in request.cache_points and num_tokens % self.block_size == 0:
-            self.pool.save(request.block_hashes[num_tokens // self.block_size - 1], self.live[request.request_id])
-
-    def free(self, request_id: str) -> None:
-        slot = self.live.pop(request_id, None)
-        if slot is not None:
-            self.pool.cancel(slot)
-            self.pool.release(slot)
-
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        pass
-
-    def forget_from(self, request_id: str, num_tokens: int) -> None:
-        pass  # a failed step's snapshots are dropped by StatePool.abort_step
-
-    def num_held_blocks(self, request_id: str) -> int:
-        return 0
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return [self.live[request_id]] if request_id in self.live else []
-
-    def blocks_in_use(self) -> int:
-        return len(self.live)  # state slots, for this group
 
 
 def make_manager(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:

@@ -10,53 +10,56 @@ from vlmserve.multimodal.media import MediaLimits
 
 @dataclass
 class EngineArgs:
+    """Every field is also a flag of `vlmserve serve`, `ui` and `caption` (cli.py makes them
+    from the fields): its type, its default, and its comment as the help."""
+
+    # checkpoint folder (default: the shipped shapes model)
     model: str | None = None
-    dtype: str = "auto"  # the checkpoint's (half precision as bf16 where the CPU has fast bf16, else fp32)
+    # float32, bfloat16, float16, or auto: the checkpoint's, half precision as bf16 where
+    # this CPU has fast bf16 matmuls, else fp32
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
-    # a prepacked copy of each linear weight (oneDNN layout on CPU): faster batched matmuls,
-    # taken only when the copies fit in a quarter of the machine's memory
+    # keep a prepacked copy of each linear weight (oneDNN's layout on CPU): faster batched
+    # matmuls; taken only when the copies fit in a quarter of the machine's memory
     pack_weights: bool = True
-    # scheduling
-    max_model_len: int | None = None  # default: the model's, capped by the KV cache
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # context length (default: the model's, capped by the KV cache)
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens one step computes at most
     max_n: int = 16  # completions one request may ask for (n); each counts as a request in flight
-    enable_chunked_prefill: bool = True
-    # KV cache
-    block_size: int = 16
-    kv_cache_memory_gb: float = 0.5
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    chunked_prefill: bool = True  # split long prompts across steps
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_gb: float = 0.5  # memory for the KV cache and the recurrent states
+    num_kv_blocks: int | None = None  # overrides --kv-cache-memory-gb for attention blocks
+    prefix_caching: bool = True  # reuse the KV cache (and recurrent states) of shared prefixes
     # hybrid models: recurrent-state snapshots kept for prefix caching (default: up to a
     # quarter of the KV memory, at most 8 per running request)
     num_state_snapshots: int | None = None
-    # vision encoder, in embedding tokens
-    encoder_compute_budget: int = 8192
-    encoder_cache_size: int = 16384
-    # media
-    allowed_local_media_path: str | None = None  # local files only under this folder
+    encoder_compute_budget: int = 8192  # vision-encoder embedding tokens one step computes at most
+    encoder_cache_size: int = 16384  # vision-encoder outputs kept, in embedding tokens
+    allowed_local_media_path: str | None = None  # local files are served only from under this folder
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from
+    # media per prompt, e.g. image=4,video=1 (a modality left out is refused)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 16, "video": 2})
-    max_image_bytes: int = 20 << 20
-    max_image_pixels: int = 64 << 20
-    max_video_bytes: int = 200 << 20
-    media_fetch_timeout: float = 10.0
-    image_background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels, as transformers
-    processor_cache_gb: float = 0.25
-    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults for every item
-    processing_threads: int = 4
-    # run the engine core (scheduler, model) in a process of its own, so that its step
-    # loop never waits for the front end's HTTP, media and detokenizing work (the servers)
+    max_image_mb: float = 20.0  # larger pictures are refused
+    max_image_pixels: int = 64 << 20  # larger pictures are refused from their header, before decoding
+    max_video_mb: float = 200.0  # larger videos are refused
+    media_fetch_timeout: float = 10.0  # seconds for a whole http(s) fetch
+    image_background: tuple[int, int, int] = (255, 255, 255)  # R,G,B under transparent pixels
+    processor_cache_gb: float = 0.25  # decoded and resized media kept for repeats
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # JSON: defaults for every media item
+    processing_threads: int = 4  # threads that decode and process media and tokenize
+    # run the engine core in a process of its own (its step loop never waits for the
+    # front end's HTTP, media and detokenizing; on 2 cores it measured slower)
     engine_process: bool = False
-    time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.step_phases)
+    time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
 
     def media_limits(self) -> MediaLimits:
         """The size and source checks every reader of this engine's media applies."""
         return MediaLimits(
-            max_image_bytes=self.max_image_bytes,
+            max_image_bytes=int(self.max_image_mb * (1 << 20)),
             max_image_pixels=self.max_image_pixels,
-            max_video_bytes=self.max_video_bytes,
+            max_video_bytes=int(self.max_video_mb * (1 << 20)),
             allowed_local_media_path=self.allowed_local_media_path,
             allowed_media_domains=list(self.allowed_media_domains),
             fetch_timeout=self.media_fetch_timeout,

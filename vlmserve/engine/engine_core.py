@@ -99,13 +99,13 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_chunked_prefill=args.chunked_prefill,
         encoder_compute_budget=args.encoder_compute_budget,
         encoder_cache_size=args.encoder_cache_size,
     )
     timer = timer or PhaseTimer(args.time_steps)
-    runner = ModelRunner(model, hf_config, kv_config, sched_config, eos_token_id, args.device, args.seed, timer)
-    kv_manager = KVCacheManager(kv_config, max_model_len, args.enable_prefix_caching)
+    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer)
+    kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     info = CoreInfo(max_model_len, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start)
@@ -122,7 +122,7 @@ def kv_cache_config(args: EngineArgs, groups) -> KVCacheConfig:
     if slot_bytes:
         snapshots = args.num_state_snapshots
         if snapshots is None:
-            snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.enable_prefix_caching else 0
+            snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.prefix_caching else 0
         num_slots = args.max_num_seqs + snapshots
         budget -= num_slots * slot_bytes
         if budget <= 0 and args.num_kv_blocks is None:

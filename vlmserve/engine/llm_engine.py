@@ -7,12 +7,14 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig
 
 from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
@@ -144,6 +146,12 @@ class LLMEngine:
             params = params.with_stop_token_ids(self.extra_eos_ids)
         request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+        """OpenAI-style chat messages as a prompt, by the checkpoint's chat template
+        (ValueError for messages it cannot take)."""
+        return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs)
 
     def check_params(self, params: SamplingParams) -> None:
         """The model's checks of a request's sampling parameters (ParamError if bad)."""

@@ -10,6 +10,7 @@ caption and `duplicate_of`.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -24,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.multimodal.hashing import mm_hash
+from vlmserve.multimodal.media import MediaLoader, modality_of
 from vlmserve.multimodal.processor import normalize_settings
 
-IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
-VIDEO_EXTS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
 
 # Test hook: a process that has written this many rows holds there until it is
 # interrupted (or killed), so a test interrupts a run at a known row whatever the
@@ -71,11 +72,6 @@ class Summary:
 
 
 # -- inputs ---------------------------------------------------------------------------------
-def modality_of(path: str) -> str | None:
-    ext = Path(path).suffix.lower()
-    return "image" if ext in IMAGE_EXTS else "video" if ext in VIDEO_EXTS else None
-
-
 def expand_inputs(inputs: list[str]) -> list[str]:
     """Files, folders (recursive), globs, and .txt / .jsonl lists of paths, in order, once each."""
     out: list[str] = []
@@ -163,19 +159,19 @@ class Captioner:
         self.params = params
         self.settings = normalize_settings(settings)
         self.concurrency = concurrency
-        processor = engine.mm_processor.hf_processor
         self.prompts = {
-            m: processor.apply_chat_template([{"role": "user", "content": [{"type": m}, {"type": "text", "text": q}]}],
-                                             tokenize=False, add_generation_prompt=True)
+            m: engine.render_chat([{"role": "user", "content": [{"type": m, m: "placeholder"}, q]}]).prompt
             for m, q in (("image", prompt), ("video", video_prompt))
         }
+        self.loader = MediaLoader(engine.args.media_limits())  # the engine's checks, on files the user named
         self.pool = ThreadPoolExecutor(engine.args.processing_threads, thread_name_prefix="vlmserve-caption")
+        self._feeder: EngineFeeder | None = None
 
     def _prepare(self, path: str):
         """Reads a file and hashes it (duplicates stop here: they are not decoded)."""
         modality = modality_of(path) or "image"
         # the files are the ones the user named: read them directly, then apply the size checks
-        raw = self.engine.mm_processor.loader.read(Path(path).read_bytes(), modality)
+        raw = self.loader.read(Path(path).read_bytes(), modality)
         return modality, raw, mm_hash(modality, raw.content, self.settings)
 
     def _process(self, rid: str, modality: str, raw) -> Any:
@@ -188,7 +184,6 @@ class Captioner:
     def run(self, paths: list[str], known: dict[str, Row] | None = None) -> Iterator[Row]:
         """Yields a row per path, as they finish (duplicates right after their original).
         `known`: originals captioned by an earlier run, by mm_hash."""
-        engine = self.engine
         reads: dict[str, Future] = {p: self.pool.submit(self._prepare, p) for p in paths[: 4 * self.concurrency]}
         queue = list(paths)
         known = known or {}
@@ -196,9 +191,10 @@ class Captioner:
         finished: dict[str, Row] = {r.path: r for r in known.values()}  # by original path
         waiting_copies: dict[str, list[str]] = {}  # original path -> copies
         in_flight: dict[str, tuple[str, str]] = {}  # request id -> (path, mm_hash)
-        processing: dict[str, Future] = {}
+        feeder = EngineFeeder(self.engine, self.pool)
+        self._feeder = feeder
         ids = 0
-        while queue or in_flight or processing:
+        while queue or in_flight:
             # admit new files while there is room
             while queue and len(in_flight) < self.concurrency:
                 path = queue.pop(0)
@@ -221,22 +217,14 @@ class Captioner:
                 by_hash[key] = path
                 rid = f"caption-{ids}"
                 ids += 1
-                processing[rid] = self.pool.submit(self._process, rid, modality, raw)
+                feeder.submit(rid, functools.partial(self._process, rid, modality, raw))
                 in_flight[rid] = (path, key)
-            # requests whose media is processed join the batch
-            for rid in [r for r, f in processing.items() if f.done() or not engine.has_unfinished_requests()]:
-                path, key = in_flight[rid]
-                try:
-                    engine.add_processed(processing.pop(rid).result())
-                except Exception as e:
-                    del in_flight[rid]
-                    row = Row(path, mm_hash=key, error=f"{type(e).__name__}: {e}")
-                    yield from self._finish(row, finished, waiting_copies)
-            if not engine.has_unfinished_requests():
-                continue
-            for out in engine.step():
-                if not out.finished:
-                    continue
+            outputs, failed = feeder.step()
+            for rid, e in failed:
+                path, key = in_flight.pop(rid)
+                yield from self._finish(Row(path, mm_hash=key, error=f"{type(e).__name__}: {e}"), finished,
+                                        waiting_copies)
+            for out in outputs:
                 path, key = in_flight.pop(out.request_id)
                 c = out.outputs[0]
                 row = Row(path, caption=c.text, mm_hash=key, prompt_tokens=out.num_prompt_tokens,
@@ -251,8 +239,9 @@ class Captioner:
             yield copy_row(row, copy)
 
     def abort_all(self) -> None:
-        ids = list(self.engine.output_processor.requests)
-        self.engine.abort_request(ids)
+        """Aborts whatever the last run still has in flight (after Ctrl-C)."""
+        if self._feeder is not None:
+            self._feeder.abort_all()
 
 
 def copy_row(original: Row, path: str) -> Row:
@@ -280,8 +269,34 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+@dataclass
+class CaptionJob:
+    """What a run has to do, after --resume took out what an earlier run did."""
+
+    todo: list[str]
+    known: dict[str, Row]  # originals captioned by an earlier run, by mm_hash
+    params: Any  # SamplingParams
+    settings: dict[str, Any]  # media processing settings
+    prompt: str
+    video_prompt: str
+    summary: Summary
+
+
 def run_caption(args: argparse.Namespace) -> int:
     from vlmserve.entrypoints.cli import engine_args_from
+
+    job = _prepare(args)
+    run = _caption_on_ray if args.ray else _caption_here
+    start, interrupted = run(args, job, engine_args_from(args))
+    job.summary.seconds = time.time() - start
+    if interrupted:
+        print(f"interrupted: {job.summary.line()}; rerun with --resume to continue", file=sys.stderr)
+        return 130
+    print(job.summary.line(), file=sys.stderr)
+    return 1 if job.summary.failed else 0
+
+
+def _prepare(args: argparse.Namespace) -> CaptionJob:
     from vlmserve.sampling_params import SamplingParams
 
     paths = expand_inputs(args.inputs)
@@ -291,62 +306,62 @@ def run_caption(args: argparse.Namespace) -> int:
         shutil.rmtree(shard_dir(args.out), ignore_errors=True)
     previous = previous_rows(args.out)
     already = {r.path for r in previous}
-    known = captioned_originals(previous)
     todo = [p for p in paths if p not in already]
     summary.skipped = len(paths) - len(todo)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.sample_seed, ignore_eos=args.ignore_eos)
-    settings = {"max_pixels": args.max_pixels} if args.max_pixels else {}
-    engine_args = engine_args_from(args)
-    video_prompt = args.video_prompt or args.prompt
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.touch()  # there is an output, if an empty one, even when nothing is left to do
-    interrupted = False
-    if args.ray:
-        import ray
+    return CaptionJob(todo, captioned_originals(previous), params,
+                      {"max_pixels": args.max_pixels} if args.max_pixels else {}, args.prompt,
+                      args.video_prompt or args.prompt, summary)
 
-        from vlmserve.entrypoints.caption_ray import run_on_ray
 
-        start = time.time()  # Ray's start-up and the workers' model loading included
-        rows = run_on_ray(args.ray, args.ray_workers, todo, engine_args, args.prompt, video_prompt, params, settings,
-                          args.batch_size, known, summary, args.out)
-        summary.extra["workers"] = args.ray_workers
-        try:
-            track(rows, summary, len(todo), not args.no_progress)  # the workers write the rows
-            merge_shards(args.out)
-        except KeyboardInterrupt:  # the shards stay, for --resume
-            interrupted = True
-            ray.shutdown()  # the job's actors stop too: none writes to a shard after this
-    else:
-        from vlmserve.engine.llm_engine import LLMEngine
+def _caption_on_ray(args: argparse.Namespace, job: CaptionJob, engine_args) -> tuple[float, bool]:
+    """Returns when the work started (Ray's start-up and the workers' model loading
+    included) and whether Ctrl-C cut it short."""
+    import ray
 
-        engine = LLMEngine(engine_args)
-        captioner = Captioner(engine, args.prompt, video_prompt, params, settings, args.batch_size)
-        start = time.time()  # the summary's rate is the captioning's, the model loaded
-        stop = {"now": False}
+    from vlmserve.entrypoints.caption_ray import run_on_ray
 
-        def on_interrupt(*_):
-            stop["now"] = True
-            _interrupted.set()
+    start = time.time()
+    rows = run_on_ray(args.ray, args.ray_workers, job, engine_args, args.batch_size, args.out)
+    job.summary.extra["workers"] = args.ray_workers
+    try:
+        track(rows, job.summary, len(job.todo), not args.no_progress)  # the workers write the rows
+        merge_shards(args.out)
+    except KeyboardInterrupt:  # the shards stay, for --resume
+        ray.shutdown()  # the job's actors stop too: none writes to a shard after this
+        return start, True
+    return start, False
 
-        previous_handler = signal.signal(signal.SIGINT, on_interrupt)
-        try:
-            with open(args.out, "a") as out:
-                track(_until(captioner.run(todo, known), stop), summary, len(todo), not args.no_progress, out)
-        finally:
-            signal.signal(signal.SIGINT, previous_handler)
-        interrupted = stop["now"]
-        if interrupted:
-            captioner.abort_all()
-        stats = engine.stats()
-        summary.extra["encoder cache hits"] = stats.encoder_cache_hits
-        summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
-    summary.seconds = time.time() - start
-    if interrupted:
-        print(f"interrupted: {summary.line()}; rerun with --resume to continue", file=sys.stderr)
-        return 130
-    print(summary.line(), file=sys.stderr)
-    return 1 if summary.failed else 0
+
+def _caption_here(args: argparse.Namespace, job: CaptionJob, engine_args) -> tuple[float, bool]:
+    """Returns when the captioning started (the model loaded) and whether Ctrl-C cut it short."""
+    from vlmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_args)
+    captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size)
+    start = time.time()
+    stop = {"now": False}
+
+    def on_interrupt(*_):
+        stop["now"] = True
+        _interrupted.set()
+
+    previous_handler = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        with open(args.out, "a") as out:
+            track(_until(captioner.run(job.todo, job.known), stop), job.summary, len(job.todo), not args.no_progress,
+                  out)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    if stop["now"]:
+        captioner.abort_all()
+    stats = engine.stats()
+    job.summary.extra["encoder cache hits"] = stats.encoder_cache_hits
+    job.summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
+    return start, stop["now"]
 
 
 def _until(rows: Iterator[Row], interrupted: dict) -> Iterator[Row]:

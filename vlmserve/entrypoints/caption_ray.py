@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
+from vlmserve.multimodal.media import modality_of
 from vlmserve.entrypoints.caption import (
     HOLD_AFTER_ROWS_ENV,
+    CaptionJob,
     Row,
-    Summary,
     copy_row,
-    modality_of,
     shard_dir,
     write_row,
 )
@@ -88,44 +88,22 @@ class CaptionActor:
         return columns
 
 
-def run_on_ray(address: str, workers: int, paths: list[str], engine_args: EngineArgs, prompt: str, video_prompt: str,
-               params, settings: dict[str, Any], concurrency: int, known: dict[str, Row], summary: Summary,
+def run_on_ray(address: str, workers: int, job: CaptionJob, engine_args: EngineArgs, concurrency: int,
                out: Path) -> Iterator[Row]:
-    """Yields every row once it is written to a shard (for the progress bar and the
-    summary). `known`: originals captioned by an earlier run, by mm_hash."""
+    """Yields every row once it is written to a shard (for the progress bar and the summary)."""
     import ray
 
     from vlmserve.multimodal.processor import normalize_settings
 
-    if not paths:
+    if not job.todo:
         return
-    settings = normalize_settings(settings)
-    if not ray.is_initialized():
-        hold = os.environ.get(HOLD_AFTER_ROWS_ENV)
-        runtime_env = {"env_vars": {HOLD_AFTER_ROWS_ENV: hold}} if hold else None
-        if address == "local":
-            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
-        else:
-            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    settings = normalize_settings(job.settings)
+    _init_ray(address, workers)
     shards = shard_dir(out).resolve()  # the workers' working directories are not the driver's
     shards.mkdir(parents=True, exist_ok=True)
     with open(shards / "part-driver.jsonl", "a") as own:
-        hashed = ray.data.from_items([{"path": p} for p in paths]).map(
-            _hash_file, fn_kwargs={"engine_args": engine_args, "settings": settings})
         copies_of: dict[str, list[str]] = {}  # each original to caption (by path) -> its copies
-        by_hash: dict[str, str] = {}
-        for item in hashed.iter_rows():
-            if item["error"]:
-                row = Row(item["path"], error=item["error"])
-            elif item["mm_hash"] in known:
-                row = copy_row(known[item["mm_hash"]], item["path"])
-            else:
-                original = by_hash.setdefault(item["mm_hash"], item["path"])
-                copies = copies_of.setdefault(original, [])
-                if original != item["path"]:
-                    copies.append(item["path"])
-                continue
+        for row in _hash_and_pick_originals(job, engine_args, settings, copies_of):
             write_row(own, row)
             yield row
         if not copies_of:
@@ -134,7 +112,8 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args: Engine
         captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies_of.items()])
         captions = captions.map_batches(
             CaptionActor,
-            fn_constructor_args=(engine_args, prompt, video_prompt, params, settings, concurrency, str(shards)),
+            fn_constructor_args=(engine_args, job.prompt, job.video_prompt, job.params, settings, concurrency,
+                                 str(shards)),
             batch_size=batch_size,
             concurrency=workers,
             num_cpus=1,
@@ -150,5 +129,40 @@ def run_on_ray(address: str, workers: int, paths: list[str], engine_args: Engine
             write_row(own, row)  # the driver's copy of the actor's row
             yield row
         os.fsync(own.fileno())
-    summary.extra["encoder cache hits"] = counters["encoder_cache_hits"]
-    summary.extra["prefix-cached tokens"] = counters["prefix_cached_tokens"]
+    job.summary.extra["encoder cache hits"] = counters["encoder_cache_hits"]
+    job.summary.extra["prefix-cached tokens"] = counters["prefix_cached_tokens"]
+
+
+def _init_ray(address: str, workers: int) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        hold = os.environ.get(HOLD_AFTER_ROWS_ENV)
+        runtime_env = {"env_vars": {HOLD_AFTER_ROWS_ENV: hold}} if hold else None
+        if address == "local":
+            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+        else:
+            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def _hash_and_pick_originals(job: CaptionJob, engine_args: EngineArgs, settings: dict[str, Any],
+                             copies_of: dict[str, list[str]]) -> Iterator[Row]:
+    """Hashes every file across the cluster; yields the rows the driver writes itself
+    (unreadable files, copies of originals an earlier run captioned) and fills copies_of
+    with one original per mm_hash and its copies."""
+    import ray
+
+    hashed = ray.data.from_items([{"path": p} for p in job.todo]).map(
+        _hash_file, fn_kwargs={"engine_args": engine_args, "settings": settings})
+    by_hash: dict[str, str] = {}
+    for item in hashed.iter_rows():
+        if item["error"]:
+            yield Row(item["path"], error=item["error"])
+        elif item["mm_hash"] in job.known:
+            yield copy_row(job.known[item["mm_hash"]], item["path"])
+        else:
+            original = by_hash.setdefault(item["mm_hash"], item["path"])
+            copies = copies_of.setdefault(original, [])
+            if original != item["path"]:
+                copies.append(item["path"])

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import json
 import logging
+import re
 import sys
+import types as types_module
+import typing
+from collections.abc import Callable
+from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 
@@ -28,36 +36,69 @@ def parse_rgb(text: str) -> tuple[int, int, int]:
     return tuple(int(p) for p in parts)
 
 
+def parse_json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def parse_list(text: str) -> list[str]:
+    """'a, b' -> ['a', 'b']"""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+# how a field's type reads from the command line, beyond int, float and str
+_PARSERS: dict[Any, Callable[[str], Any]] = {
+    list[str]: parse_list,
+    dict[str, int]: parse_limits,
+    tuple[int, int, int]: parse_rgb,
+    dict[str, Any]: parse_json_object,
+}
+
+
+def field_help() -> dict[str, str]:
+    """Each EngineArgs field's comment: on its line, or in the comment lines just above it."""
+    helps, pending = {}, []
+    for line in inspect.getsource(EngineArgs).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# "))
+            continue
+        match = re.match(r"(\w+): [^=]+=.*?(?:#\s*(.*))?$", stripped)
+        if match:
+            helps[match.group(1)] = " ".join(pending + ([match.group(2)] if match.group(2) else []))
+        pending = []
+    return helps
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineArgs()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint folder (default: the shipped shapes model)")
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--max-n", type=int, default=d.max_n, help="most completions one request may ask for (n)")
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory-gb")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--encoder-cache-size", type=int, default=d.encoder_cache_size)
-    g.add_argument("--no-weight-packing", action="store_true",
-                   help="keep no prepacked copy of the linear weights (saves their memory; batched decode is slower)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    m = p.add_argument_group("media")
-    m.add_argument("--allowed-local-media-path", default=None, help="serve local files under this folder only")
-    m.add_argument("--allowed-media-domains", default="", help="comma-separated hosts http(s) media may come from")
-    m.add_argument("--limit-mm-per-prompt", type=parse_limits, default=dict(d.limit_mm_per_prompt),
-                   help="image=N,video=M")
-    m.add_argument("--max-image-mb", type=float, default=d.max_image_bytes / (1 << 20))
-    m.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
-                   help="larger pictures are refused from their header, before decoding")
-    m.add_argument("--max-video-mb", type=float, default=d.max_video_bytes / (1 << 20))
-    m.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout, help="seconds, for http(s) media")
-    m.add_argument("--processor-cache-gb", type=float, default=d.processor_cache_gb)
-    m.add_argument("--image-background", type=parse_rgb, default=d.image_background,
-                   help="R,G,B under transparent pixels")
+    """One flag per EngineArgs field: --field-name, its type and default, its comment as
+    help; booleans as --name / --no-name."""
+    group = p.add_argument_group("engine")
+    types = typing.get_type_hints(EngineArgs)
+    helps = field_help()
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = types[f.name]
+        shown = helps.get(f.name, "")
+        if default is not None and "default" not in shown:
+            shown = f"{shown} (default: %(default)s)".strip()
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
+            continue
+        optional = typing.get_origin(kind) in (typing.Union, types_module.UnionType) and type(None) in typing.get_args(kind)
+        base = next(a for a in typing.get_args(kind) if a is not type(None)) if optional else kind
+        group.add_argument(flag, type=_PARSERS.get(base, base), default=default, help=shown)
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
 def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -76,38 +117,7 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     h.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request may take to send its body")
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they are cut off")
-    h.add_argument("--engine-process", action="store_true",
-                   help="run the engine core in a process of its own (measured: slower on 2 cores, where the two "
-                        "processes share the cores; for machines with cores to spare)")
     h.add_argument("--log-level", default="INFO")
-
-
-def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=args.model,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_n=args.max_n,
-        block_size=args.block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        encoder_cache_size=args.encoder_cache_size,
-        pack_weights=not args.no_weight_packing,
-        allowed_local_media_path=args.allowed_local_media_path,
-        allowed_media_domains=[h.strip() for h in args.allowed_media_domains.split(",") if h.strip()],
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        max_image_bytes=int(args.max_image_mb * (1 << 20)),
-        max_image_pixels=args.max_image_pixels,
-        max_video_bytes=int(args.max_video_mb * (1 << 20)),
-        media_fetch_timeout=args.media_fetch_timeout,
-        processor_cache_gb=args.processor_cache_gb,
-        image_background=args.image_background,
-        engine_process=getattr(args, "engine_process", False),
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

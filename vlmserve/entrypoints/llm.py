@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
-from vlmserve.entrypoints.chat_utils import render_chat
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -50,40 +51,33 @@ class LLM:
         """One conversation (a list of messages) or several (a list of such lists)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
-            render_chat(self.engine.mm_processor.hf_processor, conv, add_generation_prompt, chat_template_kwargs)
+            self.engine.render_chat(conv, add_generation_prompt, chat_template_kwargs)
             for conv in conversations
         ]
         return self._run(prompts, sampling_params, None)
 
     def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
         """Media processing runs in a thread pool while the engine steps: requests enter
-        the batch as soon as their pictures are ready."""
+        the batch as soon as their pictures are ready. A request that cannot be processed
+        raises its error, and the others are aborted."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
         ids = [str(next(self._ids)) for _ in prompts]
-        futures = [
-            self._pool.submit(engine.process_request, rid, prompt, params, priority[i] if priority else 0)
-            for i, (rid, prompt, params) in enumerate(zip(ids, prompts, sampling_params))
-        ]
-        added: list[str] = []
+        feeder = EngineFeeder(engine, self._pool)
+        for i, (rid, prompt, params) in enumerate(zip(ids, prompts, sampling_params)):
+            feeder.submit(rid, functools.partial(engine.process_request, rid, prompt, params,
+                                                 priority[i] if priority else 0))
         finished: dict[str, RequestOutput] = {}
         try:
-            next_to_add = 0
-            while len(finished) < len(ids):
-                # add, in order, every request whose processing is done (wait if none runs)
-                while next_to_add < len(futures) and (futures[next_to_add].done() or not engine.has_unfinished_requests()):
-                    engine.add_processed(futures[next_to_add].result())
-                    added.append(ids[next_to_add])
-                    next_to_add += 1
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
+            while feeder.pending():
+                outputs, failed = feeder.step()
+                if failed:
+                    raise failed[0][1]
+                finished.update((out.request_id, out) for out in outputs)
         except BaseException:
-            for f in futures:
-                f.cancel()
-            engine.abort_request(added)  # a rejected prompt leaves nothing behind
+            feeder.abort_all()  # a rejected prompt leaves nothing behind
             raise
         return [finished[rid] for rid in ids]

@@ -33,6 +33,16 @@ from PIL import Image, ImageOps
 FrameChooser = Callable[[int, "float | None"], Any]  # (frames in the video, fps) -> indices to keep
 
 
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
+
+
+def modality_of(path: str) -> str | None:
+    """"image" or "video" by a file's extension; None for neither."""
+    ext = Path(path).suffix.lower()
+    return "image" if ext in IMAGE_EXTENSIONS else "video" if ext in VIDEO_EXTENSIONS else None
+
+
 class MediaError(ValueError):
     """A media item that cannot be used; the message says why."""
 

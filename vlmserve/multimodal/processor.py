@@ -137,7 +137,11 @@ class MultiModalProcessor:
 
     def _process_image(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
         image = self.loader.decode_image(raw)
-        out = self.image_processor(images=[image], return_tensors="pt", **self._size_kwargs(self.image_processor, settings))
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt",
+                                       **self._size_kwargs(self.image_processor, settings))
+        except ValueError as e:  # the processor refuses some shapes (an aspect ratio over 200)
+            raise MediaError(f"{raw.what}: {e}") from None
         grid = out["image_grid_thw"]
         return ProcessedMedia(
             modality="image",

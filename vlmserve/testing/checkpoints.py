@@ -124,10 +124,27 @@ def save_qwen2_family(path: Path, model_cls: type, processor_cls: type, config, 
     return path
 
 
-def qwen2_text_config(vocab_size: int, ids: dict[str, int], hidden_size: int, intermediate_size: int,
-                      num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None,
-                      max_window_layers: int, max_position_embeddings: int, tie_word_embeddings: bool) -> dict:
-    """The language model of Qwen2-VL and Qwen2.5-VL (the same one)."""
+def new_checkpoint(path: str | Path, corpus: list[str] | None, vocab_size: int) -> tuple[Path, object, dict[str, int]]:
+    """The checkpoint's folder, its tokenizer, and the ids of the special tokens."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(corpus, vocab_size)
+    return path, tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def media_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The config fields naming the media placeholder tokens."""
+    return {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
+
+
+def qwen2_text_config(vocab_size: int, ids: dict[str, int], *, hidden_size: int = 64, intermediate_size: int = 128,
+                      num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, sliding_window: int | None = None,
+                      max_window_layers: int | None = None, max_position_embeddings: int = 4096,
+                      tie_word_embeddings: bool = False) -> dict:
+    """The language model of Qwen2-VL and Qwen2.5-VL (the same one); the tiny test sizes
+    by default. Layers from max_window_layers on use the sliding window."""
+    max_window_layers = num_layers if max_window_layers is None else max_window_layers
     head_dim = hidden_size // num_heads
     # M-RoPE sections over head_dim/2 frequencies, in Qwen's 1:1.5:1.5 proportion
     quarter = head_dim // 2 // 4
@@ -154,11 +171,6 @@ def qwen2_text_config(vocab_size: int, ids: dict[str, int], hidden_size: int, in
 def build_qwen2_vl(
     path: str | Path,
     *,
-    hidden_size: int = 64,
-    num_layers: int = 3,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
     vision_embed: int = 32,
     vision_depth: int = 2,
     vision_heads: int = 2,
@@ -166,21 +178,19 @@ def build_qwen2_vl(
     min_pixels: int = 28 * 28 * 4,
     vocab_size: int = 512,
     seed: int = 0,
+    **text_sizes,
 ) -> Path:
-    """A tiny Qwen2-VL (full attention in every layer, as the released checkpoints)."""
+    """A tiny Qwen2-VL (full attention in every layer, as the released checkpoints);
+    text_sizes: qwen2_text_config's (hidden_size, num_layers, ...)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(None, vocab_size)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    path, tokenizer, ids = new_checkpoint(path, None, vocab_size)
     config = Qwen2VLConfig(
-        text_config=qwen2_text_config(len(tokenizer), ids, hidden_size, intermediate_size, num_layers, num_heads,
-                                      num_kv_heads, None, num_layers, 4096, False),
+        text_config=(text := qwen2_text_config(len(tokenizer), ids, **text_sizes)),
         vision_config=dict(
             depth=vision_depth,
             embed_dim=vision_embed,
-            hidden_size=hidden_size,  # the merger's output: the language model's width
+            hidden_size=text["hidden_size"],  # the merger's output: the language model's width
             mlp_ratio=2,
             num_heads=vision_heads,
             hidden_act="quick_gelu",
@@ -188,10 +198,7 @@ def build_qwen2_vl(
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **media_token_ids(ids),
     )
     return save_qwen2_family(path, Qwen2VLForConditionalGeneration, Qwen2VLProcessor, config, tokenizer, seed,
                              min_pixels, max_pixels)
@@ -200,11 +207,6 @@ def build_qwen2_vl(
 def build_qwen2_5_vl(
     path: str | Path,
     *,
-    hidden_size: int = 64,
-    num_layers: int = 3,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
     sliding_window: int | None = 32,
     max_window_layers: int = 2,
     vision_hidden: int = 32,
@@ -213,28 +215,26 @@ def build_qwen2_5_vl(
     max_pixels: int = 28 * 28 * 64,
     min_pixels: int = 28 * 28 * 4,
     vocab_size: int = 512,
-    max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = False,
     seed: int = 0,
     corpus: list[str] | None = None,
+    **text_sizes,
 ) -> Path:
-    """A tiny Qwen2.5-VL; layers >= max_window_layers use sliding-window attention."""
+    """A tiny Qwen2.5-VL; layers >= max_window_layers use sliding-window attention;
+    text_sizes: qwen2_text_config's (hidden_size, num_layers, ...)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(corpus, vocab_size)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
     config = Qwen2_5_VLConfig(
-        text_config=qwen2_text_config(len(tokenizer), ids, hidden_size, intermediate_size, num_layers, num_heads,
-                                      num_kv_heads, sliding_window, max_window_layers, max_position_embeddings,
-                                      tie_word_embeddings),
+        text_config=(text := qwen2_text_config(len(tokenizer), ids, sliding_window=sliding_window,
+                                               max_window_layers=max_window_layers,
+                                               tie_word_embeddings=tie_word_embeddings, **text_sizes)),
         vision_config=dict(
             depth=vision_depth,
             hidden_size=vision_hidden,
             intermediate_size=2 * vision_hidden,
             num_heads=vision_heads,
-            out_hidden_size=hidden_size,
+            out_hidden_size=text["hidden_size"],
             window_size=56,  # 2x2 merged units per window: several windows per test image
             fullatt_block_indexes=[vision_depth - 1],
             patch_size=14,
@@ -242,10 +242,7 @@ def build_qwen2_5_vl(
             temporal_patch_size=2,
             tokens_per_second=2,
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **media_token_ids(ids),
         tie_word_embeddings=tie_word_embeddings,
     )
     return save_qwen2_family(path, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, config, tokenizer, seed,
@@ -276,22 +273,44 @@ def build_qwen3_5(
     """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers, Qwen3-VL vision tower."""
     from transformers import (
         Qwen2VLImageProcessor,
-        Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
         Qwen3VLProcessor,
         Qwen3VLVideoProcessor,
     )
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(corpus, vocab_size)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
+    config = _qwen3_5_config(len(tokenizer), ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim,
+                             intermediate_size, linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config)
+    randomize_weights(model, seed, scale=weight_scale)
+    with torch.no_grad():  # decay rates of a trained model: exp(A_log) in (0, 16)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
+    model.save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
+    image_kwargs = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 16, "merge_size": 2}
+    Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**image_kwargs),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(str(path))
+    return path
+
+
+def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim, intermediate_size,
+                    linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads):
+    from transformers import Qwen3_5Config
+
     rotary = head_dim // 2  # partial rotary: half of each head
     freqs = rotary // 2
     section = [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
     config = Qwen3_5Config(
         text_config=dict(
-            vocab_size=len(tokenizer),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
             num_hidden_layers=len(layer_types),
@@ -316,27 +335,7 @@ def build_qwen3_5(
             num_heads=vision_heads, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
             out_hidden_size=hidden_size, num_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
         ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **media_token_ids(ids),
         tie_word_embeddings=False,
     )
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
-    randomize_weights(model, seed, scale=weight_scale)
-    with torch.no_grad():  # decay rates of a trained model: exp(A_log) in (0, 16)
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
-    model.save_pretrained(str(path))
-    save_generation_config(path, tokenizer)
-    image_kwargs = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 16, "merge_size": 2}
-    Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**image_kwargs),
-        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
-        tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(str(path))
-    return path
+    return config

@@ -29,6 +29,7 @@ class CachedRequestState:
     mrope_delta: int
     num_computed_tokens: int
     num_output_tokens: int
+    state_slot: int | None = None  # recurrent layers' state slot
     prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
 
 
@@ -46,7 +47,8 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def add(self, state: CachedRequestState, token_ids: list[int], block_ids: tuple[list[int], ...]) -> None:
+    def add(self, state: CachedRequestState, token_ids: list[int], block_ids: list[list[int]]) -> None:
+        """block_ids: per attention group."""
         row = len(self.req_ids)
         if row >= self.max_num_reqs:
             raise RuntimeError(f"input batch holds at most {self.max_num_reqs} requests")
@@ -87,4 +89,5 @@ class InputBatch:
         self.states.pop()
 
     def block_table(self, group: int, row: int) -> np.ndarray:
+        """The blocks of a row in one attention group."""
         return self.block_tables[group][row, : self.num_blocks[group][row]]

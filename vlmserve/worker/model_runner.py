@@ -39,7 +39,6 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        hf_config,
         kv_cache_config: KVCacheConfig,
         scheduler_config: SchedulerConfig,
         eos_token_id: int | None,
@@ -50,7 +49,6 @@ class ModelRunner:
         self.model = model
         self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
-        self.hf_config = hf_config
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
         self.max_model_len = scheduler_config.max_model_len
@@ -59,9 +57,10 @@ class ModelRunner:
         self.block_size = self.groups[0].spec.block_size
         self.kv_caches = self._allocate_kv_caches()
         self.recurrent_layers = [l for g in self.groups if isinstance(g.spec, MambaSpec) for l in g.layer_ids]
-        # a recurrent group's "block table" is its one state slot
-        max_blocks = [1 if isinstance(g.spec, MambaSpec) else -(-self.max_model_len // self.block_size)
-                      for g in self.groups]
+        # the attention groups hold block tables (in the order the scheduler lists them);
+        # recurrent groups use each request's one state slot
+        self.attention_groups = [g for g in self.groups if isinstance(g.spec, AttentionSpec)]
+        max_blocks = [-(-self.max_model_len // self.block_size)] * len(self.attention_groups)
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks)
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.encoder_runs = 0  # media items encoded, for tests and stats
@@ -152,15 +151,16 @@ class ModelRunner:
                 mrope_delta=new.mrope_delta,
                 num_computed_tokens=new.num_computed_tokens,
                 num_output_tokens=len(new.output_token_ids),
+                state_slot=new.state_slot,
             )
             batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids)
         cached = so.scheduled_cached_reqs
         for rid, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             row = batch.index_of[rid]
             batch.states[row].num_computed_tokens = num_computed
-            for g, ids in enumerate(block_ids or ()):
+            for a, ids in enumerate(block_ids):
                 if ids:
-                    batch.append_blocks(row, g, ids)
+                    batch.append_blocks(row, a, ids)
 
     def _run_encoder(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -250,18 +250,16 @@ class ModelRunner:
         batch = self.input_batch
         attn, recurrent = {}, {}
         rows = np.asarray(step.rows, dtype=np.int64)
-        for g, group in enumerate(self.groups):
+        if self.recurrent_layers:
+            slots = [batch.states[r].state_slot for r in step.rows]
+            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.device)
+            recurrent = {layer: meta for layer in self.recurrent_layers}
+        for a, group in enumerate(self.attention_groups):
             spec = group.spec
-            if isinstance(spec, MambaSpec):
-                slots = batch.block_tables[g][rows, 0].tolist()
-                meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.device)
-                recurrent.update({layer: meta for layer in group.layer_ids})
-                continue
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            width = int(batch.num_blocks[g][rows].max())
-            tables = batch.block_tables[g][rows, :width]
-            meta = build_attention_metadata(tables, step.num_computed, step.query_lens, self.block_size, window,
-                                            self.device)
+            width = int(batch.num_blocks[a][rows].max())
+            meta = build_attention_metadata(batch.block_tables[a][rows, :width], step.num_computed, step.query_lens,
+                                            self.block_size, window, self.device)
             attn.update({layer: meta for layer in group.layer_ids})
         return ForwardContext(kv_caches=self.kv_caches, attn_metadata=attn, layer_state=recurrent)
 

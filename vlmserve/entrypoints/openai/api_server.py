@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmserve import __version__
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
-from vlmserve.entrypoints.chat_utils import render_chat
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
 from vlmserve.metrics import CONTENT_TYPE, EngineMetrics
 from vlmserve.outputs import CompletionOutput, RequestOutput
@@ -268,8 +267,7 @@ class OpenAIServer:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req)
         try:
-            prompt = render_chat(self.engine.engine.mm_processor.hf_processor, req.messages,
-                                 req.add_generation_prompt, req.chat_template_kwargs)
+            prompt = self.engine.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
@@ -369,13 +367,14 @@ def run_server(args) -> None:
     from vlmserve.entrypoints.cli import engine_args_from
 
     engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
-    name = args.served_model_name or _default_name(engine.engine.model_path)
+    name = args.served_model_name or default_served_name(engine.engine.model_path)
     server = OpenAIServer(engine, name, api_key=args.api_key)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args)
 
 
-def _default_name(path: str) -> str:
+def default_served_name(model_path: str) -> str:
+    """The name a model is served under unless told otherwise: its folder's."""
     from pathlib import Path
 
-    return Path(path).name
+    return Path(model_path).name
