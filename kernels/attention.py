@@ -12,6 +12,7 @@ block_size + t % block_size: block slot // block_size, offset slot % block_size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,30 +43,41 @@ class AttentionMetadata:
     seq_lens_host: list[int]
 
 
+Upload = Callable[[str, np.ndarray], torch.Tensor]
+
+
+def _to_cpu(name: str, array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
 def build_attention_metadata(
-    block_tables: np.ndarray,
+    block_tables: np.ndarray | torch.Tensor,
     num_computed: list[int] | np.ndarray,
     query_lens: list[int] | np.ndarray,
     block_size: int,
     sliding_window: int | None = None,
-    device: torch.device | str = "cpu",
+    upload: Upload = _to_cpu,
 ) -> AttentionMetadata:
-    """block_tables[i]: block ids of request i (a 2-D array, null-padded); it has
-    num_computed[i] tokens in the cache and query_lens[i] new ones this step."""
+    """block_tables[i]: block ids of request i (2-D, null-padded; already on the device,
+    or a host array); it has num_computed[i] tokens in the cache and query_lens[i] new
+    ones this step. `upload` puts the step's host arrays on the device (the runner's
+    staging; the default keeps them on the CPU)."""
     num_computed = np.asarray(num_computed, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
-    tables = np.asarray(block_tables, dtype=np.int64).reshape(len(query_lens), -1)
+    if not isinstance(block_tables, torch.Tensor):
+        block_tables = upload("block_tables", np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1))
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     pos = np.arange(int(query_start[-1])) - query_start[seq_of_token] + num_computed[seq_of_token]
-    slots = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    seq_t, pos_t = upload("seq_of_token", seq_of_token), upload("token_positions", pos)
+    slots = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
     seq_lens = num_computed + query_lens
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
-        query_start=torch.from_numpy(query_start.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        slot_mapping=slots,
+        block_tables=block_tables,
+        query_start=upload("query_start", query_start.astype(np.int32)),
+        seq_lens=upload("seq_lens", seq_lens.astype(np.int32)),
         sliding_window=int(sliding_window or 0),
         query_start_host=query_start.tolist(),
         seq_lens_host=seq_lens.tolist(),

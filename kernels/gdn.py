@@ -11,8 +11,10 @@ kept in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,9 +50,12 @@ class RecurrentMetadata:
 
 
 def build_recurrent_metadata(
-    slots: list[int], num_computed: list[int], query_lens: list[int], device: torch.device | str = "cpu"
+    slots: list[int], num_computed: list[int], query_lens: list[int],
+    upload: Callable[[str, np.ndarray], torch.Tensor] | None = None,
 ) -> RecurrentMetadata:
-    """Requests with one token (decodes) must come first."""
+    """Requests with one token (decodes) must come first. `upload` puts the step's host
+    arrays on the device (the runner's staging; by default they stay on the CPU)."""
+    upload = upload or (lambda name, array: torch.from_numpy(np.ascontiguousarray(array)))
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
@@ -63,20 +68,19 @@ def build_recurrent_metadata(
         start += q
     prefill_groups = [
         PrefillGroup(
-            token_index=(torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).to(device),
-            slots=torch.tensor(group_slots, dtype=torch.long, device=device),
+            token_index=upload(f"group{i}.index", np.asarray(starts)[:, None] + np.arange(length)[None, :]),
+            slots=upload(f"group{i}.slots", np.asarray(group_slots, dtype=np.int64)),
             has_state=has_state,
         )
-        for (length, has_state), (starts, group_slots) in groups.items()
+        for i, ((length, has_state), (starts, group_slots)) in enumerate(groups.items())
     ]
-    query_start = [0]
-    for q in query_lens:
-        query_start.append(query_start[-1] + q)
-    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start[1:])
+    slots_t = upload("state_slots", np.asarray(slots, dtype=np.int64))
     return RecurrentMetadata(
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        query_start=upload("recurrent_query_start", query_start),
         slots=slots_t,
-        has_state=torch.tensor([c > 0 for c in num_computed], dtype=torch.bool, device=device),
+        has_state=upload("has_state", np.asarray(num_computed) > 0),
         num_decodes=num_decodes,
         decode_slots=slots_t[:num_decodes],
         prefill_groups=prefill_groups,
@@ -130,7 +134,6 @@ def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                                                    meta.slots, meta.has_state)
 
 
-@register("causal_conv1d_prefill")
 def causal_conv1d_prefill(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +149,6 @@ def causal_conv1d_prefill(
     return F.silu(out).transpose(1, 2).to(x.dtype), padded[:, :, -(k - 1):].contiguous()
 
 
-@register("causal_conv1d_decode")
 def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [B, C] (one token each); state: [B, C, K-1]. Returns silu(conv) [B, C] and the new state."""
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
@@ -166,7 +168,6 @@ def _prepare(q, k, rep):
     return q, k
 
 
-@register("chunk_gated_delta_rule")
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -226,7 +227,6 @@ def _chunk_one(q, k, v, g, beta, state, rep):
     return o.to(v.dtype), s
 
 
-@register("recurrent_gated_delta_rule")
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,6 +10,7 @@ nothing better is available.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,30 +36,53 @@ def register(name: str, device_type: str = PORTABLE,
     return decorate
 
 
-def implementation(name: str, device_type: str) -> Callable:
-    """The implementation of an op for a device type: its own if registered and
-    available, else the portable one."""
-    for impl in _impls[name]:
-        if impl.device_type == device_type and (impl.available is None or impl.available()):
-            return impl.fn
+def implementation(name: str, preference: tuple[str, ...]) -> Callable:
+    """The first implementation of an op, in order of preference, that is registered and
+    available; the portable one when none is."""
+    for kind in preference:
+        for impl in _impls[name]:
+            if impl.device_type == kind and (impl.available is None or impl.available()):
+                return impl.fn
     return next(impl.fn for impl in _impls[name] if impl.device_type == PORTABLE)
+
+
+def preference(device_type: str, triton: bool) -> tuple[str, ...]:
+    """CUDA runs the Triton kernels; the CPU its C++ ones, or with `triton` the Triton
+    kernels under Triton's interpreter (the GPU path, checked on a machine without one)."""
+    if device_type == "cuda":
+        return ("triton", PORTABLE)
+    return ("triton", PORTABLE) if triton else (device_type, PORTABLE)
 
 
 class Ops:
     def __init__(self) -> None:
         self.device_type: str | None = None
+        self.triton = False
 
-    def use(self, device_type: str) -> None:
-        """Binds every op to its implementation for this device type."""
-        self.device_type = device_type
+    def use(self, device_type: str, triton: bool = False) -> None:
+        """Binds every op to its implementation for this device type (and the Triton
+        switch)."""
+        if device_type == "cuda" or triton:
+            load_triton_kernels(interpret=device_type != "cuda")
+        self.device_type, self.triton = device_type, triton
+        order = preference(device_type, triton)
         for name in _impls:
-            setattr(self, name, implementation(name, device_type))
+            setattr(self, name, implementation(name, order))
 
     def __getattr__(self, name: str) -> Callable:
         if name not in _impls:
             raise AttributeError(f"no op named {name!r}; known: {sorted(_impls)}")
         self.use("cpu")  # first use before any model was built
         return getattr(self, name)
+
+
+def load_triton_kernels(interpret: bool) -> None:
+    """Imports (so registers) the Triton kernels. On CPU tensors they run in Triton's
+    interpreter, which has to be on before triton is first imported."""
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton kernels on CPU tensors run in Triton's interpreter: start with "
+                           "VLMSERVE_USE_TRITON=1 (or TRITON_INTERPRET=1) in the environment")
+    from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # noqa: F401
 
 
 ops = Ops()

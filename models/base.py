@@ -64,7 +64,8 @@ class VisionLanguageModel(nn.Module):
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """Runs the vision tower once over all given items; one [length, hidden] each."""
-        pixels = torch.cat([f.data["pixel_values"] for f in features])
+        device = self.model.language_model.embed_tokens.weight.device
+        pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
         grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
         return list(self.model.visual(pixels, grids).split([f.length for f in features]))
 

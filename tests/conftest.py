@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+
+# No GPU here: Triton kernels run in Triton's interpreter, which must be on before triton
+# is first imported (torchvision and transformers import it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import pytest

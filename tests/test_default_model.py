@@ -93,6 +93,8 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: True)
     assert model_loader.resolve_dtype("auto", config) == torch.bfloat16
     assert model_loader.resolve_dtype("float32", config) == torch.float32  # an explicit dtype is kept
+    monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: False)
+    assert model_loader.resolve_dtype("auto", config, "cuda") == torch.bfloat16  # a GPU runs it as saved
 
 
 def test_bf16_is_taken_only_where_it_is_clearly_faster(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmserve.kernels import ops
+from vlmserve.kernels import gdn, ops
 from vlmserve.kernels.attention import build_attention_metadata
 from vlmserve.kernels.linear import PACKED_MIN_ROWS
 from vlmserve.models.layers import Linear
@@ -167,20 +167,20 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(t, with_state):
     g = -torch.rand(b, t, h)  # log decay, negative
     beta = torch.rand(b, t, h)
     state = torch.randn(b, h, dk, dv) if with_state else None
-    out, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    out, final = gdn.chunk_gated_delta_rule(q, k, v, g, beta, state)
     s = state if with_state else torch.zeros(b, h, dk, dv)
     for i in range(t):
-        o, s = ops.recurrent_gated_delta_rule(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s)
+        o, s = gdn.recurrent_gated_delta_rule(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s)
         torch.testing.assert_close(out[:, i], o, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(final, s, atol=2e-4, rtol=2e-4)
 
     c, kernel = 6, 4
     x, weight = torch.randn(b, t, c), torch.randn(c, kernel)
     conv_state = torch.randn(b, c, kernel - 1) if with_state else None
-    y, new_state = ops.causal_conv1d_prefill(x, weight, conv_state)
+    y, new_state = gdn.causal_conv1d_prefill(x, weight, conv_state)
     carried = conv_state if with_state else torch.zeros(b, c, kernel - 1)
     for i in range(t):
-        yi, carried = ops.causal_conv1d_decode(x[:, i], weight, carried)
+        yi, carried = gdn.causal_conv1d_decode(x[:, i], weight, carried)
         torch.testing.assert_close(y[:, i], yi, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_state, carried)
 

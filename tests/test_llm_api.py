@@ -1,9 +1,15 @@
 """The Python API: chat with images from every source, outputs, sampling, errors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 
 from conftest import data_url, make_image, png_bytes
 from vlmserve import LLM, SamplingParams
+from vlmserve.engine.args import ConfigError
 
 IMG = make_image(130, 100, seed=1)
 
@@ -153,3 +159,26 @@ def test_a_fault_in_the_model_fails_its_step_and_poisons_no_cache(llm):
 def test_too_many_placeholders_or_images_is_refused(llm):
     with pytest.raises(ValueError, match="1 image placeholder"):
         llm.generate({"prompt": "<|image_pad|> hi", "multi_modal_data": {"image": [IMG, IMG]}})
+
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@NO_CUDA
+@pytest.mark.parametrize("flags,env,says", [
+    (["--device", "cuda"], {}, "no CUDA device on this machine"),
+    (["--device", "tpu"], {}, "vlmserve runs on cpu or cuda"),
+    (["--use-triton"], {"VLMSERVE_USE_TRITON": "0", "TRITON_INTERPRET": "0"}, "VLMSERVE_USE_TRITON=1"),
+])
+def test_a_device_this_machine_lacks_is_one_line_not_a_traceback(flags, env, says):
+    proc = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", *flags],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+
+
+@NO_CUDA
+def test_llm_on_a_missing_device_raises_a_config_error():
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        LLM(device="cuda")

@@ -3,7 +3,7 @@ engine's worker (standard library and Pillow only: the vLLM venv imports it too)
 
     -> {"ready": true, "start_seconds": s}                 once the engine is built
     <- {"cmd": "run", ...}                                  the whole workload, from cold caches
-    -> {"seconds", "tokens", "user", "sys", "cached_tokens", "first_tokens", "exact_lengths"}
+    -> {"seconds", "tokens", "user", "sys", "cached_tokens", "first_tokens", "exact_lengths", "ttft"}
     <- {"cmd": "quit"}
 """
 
@@ -47,6 +47,7 @@ def worker_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--workload", required=True, help="the JSON file bench_peers.py wrote")
     ap.add_argument("--model", required=True, help="checkpoint folder")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     return ap
 
 
@@ -65,9 +66,14 @@ def load_workload(path: str) -> list[Request]:
     return [Request(r["prompt"], [picture(p) for p in r["images"]], r["max_tokens"]) for r in spec["requests"]]
 
 
-def summarize(requests: Sequence[Request], token_ids: Sequence[Sequence[int]], cached_tokens: int) -> dict[str, Any]:
-    """A run's outcome from each request's output token ids."""
+def summarize(requests: Sequence[Request], token_ids: Sequence[Sequence[int]], cached_tokens: int,
+              first_token_times: Sequence[float] | None = None, run_start: float = 0.0) -> dict[str, Any]:
+    """A run's outcome from each request's output token ids, and when each request's first
+    token came (wall clock, time.time(); the engine may not say)."""
+    ttft = sorted(t - run_start for t in first_token_times) if first_token_times else None
     return {
+        # seconds from the workload's start to a request's first token: median and p90
+        "ttft": None if ttft is None else [ttft[len(ttft) // 2], ttft[int(0.9 * (len(ttft) - 1))]],
         "tokens": sum(len(ids) for ids in token_ids),
         "cached_tokens": int(cached_tokens),
         "first_tokens": [[int(t) for t in ids[:FIRST_TOKENS]] for ids in token_ids],

@@ -21,30 +21,46 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText, AutoProcessor, LogitsProcessor, LogitsProcessorList
+
+    class FirstToken(LogitsProcessor):
+        """Notes when generate first has logits: a batch's first tokens come then."""
+
+        def __init__(self) -> None:
+            self.time: float | None = None
+
+        def __call__(self, input_ids, scores):
+            self.time = self.time or time.time()
+            return scores
 
     requests = load_workload(args.workload)
     t = time.perf_counter()
     processor = AutoProcessor.from_pretrained(args.model)
-    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
     start_seconds = time.perf_counter() - t
 
-    def generate(chunk: list[Request]) -> list[list[int]]:
+    def generate(chunk: list[Request]) -> tuple[list[list[int]], float]:
         images = [img for r in chunk for img in r.images]
         inputs = processor(text=[r.prompt for r in chunk], images=images or None, return_tensors="pt",
-                           padding=True, padding_side="left")
+                           padding=True, padding_side="left").to(args.device)
         longest = max(r.max_tokens for r in chunk)
+        first = FirstToken()
         with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                                 logits_processor=LogitsProcessorList([first]))
         new = out[:, inputs["input_ids"].shape[1] :]
-        return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)]
+        return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)], first.time
 
     def run(message: dict) -> dict[str, Any]:
         batch = int(message.get("batch", args.batch))
-        token_ids = []
+        token_ids, first_times = [], []
+        run_start = time.time()
         for i in range(0, len(requests), batch):
-            token_ids += generate(requests[i : i + batch])
-        return summarize(requests, token_ids, 0)
+            ids, first = generate(requests[i : i + batch])
+            token_ids += ids
+            first_times += [first] * len(ids)
+        return summarize(requests, token_ids, 0, first_times, run_start)
 
     serve(out, start_seconds, lambda: None, run)
 

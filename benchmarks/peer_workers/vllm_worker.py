@@ -11,6 +11,14 @@ from typing import Any
 from protocol import load_workload, protocol_stdout, serve, summarize, worker_args
 
 
+def first_token_time(output) -> float | None:
+    """Wall-clock time of a request's first token, from vLLM's per-request stats."""
+    stats = getattr(output, "metrics", None)
+    if stats is None or not getattr(stats, "first_token_latency", 0.0):
+        return None
+    return stats.arrival_time + stats.first_token_latency
+
+
 def main() -> None:
     out = protocol_stdout()
     ap = worker_args(__doc__)
@@ -23,7 +31,8 @@ def main() -> None:
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, max_model_len=4096,
               enable_prefix_caching=True, limit_mm_per_prompt={"image": 2, "video": 0}, seed=0,
-              max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=args.eager)
+              max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=args.eager,
+              disable_log_stats=False)  # per-request metrics: the time of each first token
     start_seconds = time.perf_counter() - t
 
     def reset() -> None:
@@ -37,9 +46,12 @@ def main() -> None:
     def run(message: dict) -> dict[str, Any]:
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        run_start = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
-        return summarize(requests, [o.outputs[0].token_ids for o in outs], cached)
+        firsts = [first_token_time(o) for o in outs]
+        return summarize(requests, [o.outputs[0].token_ids for o in outs], cached,
+                         None if None in firsts else firsts, run_start)
 
     serve(out, start_seconds, reset, run)
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vlmserve.multimodal.media import MediaLimits
+
+
+class ConfigError(ValueError):
+    """Settings the engine cannot run with; the message says which and what to do."""
 
 
 @dataclass
@@ -18,7 +23,12 @@ class EngineArgs:
     # float32, bfloat16, float16, or auto: the checkpoint's, half precision as bf16 where
     # this CPU has fast bf16 matmuls, else fp32
     dtype: str = "auto"
+    # cpu, or cuda (the Triton kernels)
     device: str = "cpu"
+    # run the Triton kernels even on CPU tensors, in Triton's interpreter (slow: for checking
+    # the GPU path without a GPU); also on with VLMSERVE_USE_TRITON=1, which must be set
+    # before the process starts
+    use_triton: bool = os.environ.get("VLMSERVE_USE_TRITON") == "1"
     seed: int = 0
     # keep a prepacked copy of each linear weight (oneDNN's layout on CPU): faster batched
     # matmuls; taken only when the copies fit in a quarter of the machine's memory
@@ -53,6 +63,21 @@ class EngineArgs:
     # front end's HTTP, media and detokenizing; on 2 cores it measured slower)
     engine_process: bool = False
     time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
+
+    def check_device(self) -> None:
+        """A device this machine has, and on the CPU Triton only under its interpreter
+        (checked before anything is loaded)."""
+        import torch
+
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device}: vlmserve runs on cpu or cuda")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device}: no CUDA device on this machine (torch.cuda.is_available() "
+                              f"is False); use --device cpu")
+        if self.use_triton and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("--use-triton on the CPU runs Triton's interpreter, which has to be on before triton "
+                              "is imported: start with VLMSERVE_USE_TRITON=1 in the environment instead")
 
     def media_limits(self) -> MediaLimits:
         """The size and source checks every reader of this engine's media applies."""

@@ -90,7 +90,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     start = time.perf_counter()
     keep_freed_memory()  # before the model's weights and the KV cache are allocated
     torch.manual_seed(args.seed)
-    model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights)
+    model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights, args.use_triton)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     kv_config = kv_cache_config(args, groups)

@@ -56,6 +56,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
+        args.check_device()
         self.args = args
         self.model_path = resolve_model_path(args.model)
         hf_config = AutoConfig.from_pretrained(self.model_path)

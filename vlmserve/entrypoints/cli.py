@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.args import ConfigError, EngineArgs
 
 
 def parse_limits(text: str) -> dict[str, int]:
@@ -151,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command in ("caption", "eval") else "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_command(args)
+    except ConfigError as e:  # the user's settings: one line, not a traceback
+        print(f"vlmserve: {e}", file=sys.stderr)
+        return 2
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from vlmserve.entrypoints.openai.api_server import run_server
 

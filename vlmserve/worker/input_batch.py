@@ -38,11 +38,12 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_tables = [np.zeros((max_num_reqs, n), dtype=np.int64) for n in max_blocks_per_req]
+        self.block_tables = [np.zeros((max_num_reqs, n), dtype=np.int32) for n in max_blocks_per_req]
         self.num_blocks = [np.zeros(max_num_reqs, dtype=np.int64) for _ in max_blocks_per_req]
         self.req_ids: list[str] = []
         self.states: list[CachedRequestState] = []
         self.index_of: dict[str, int] = {}
+        self.dirty_rows: set[int] = set()  # rows whose block tables changed since the device copy
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -60,8 +61,10 @@ class InputBatch:
         for g, ids in enumerate(block_ids):
             self.num_blocks[g][row] = 0
             self.append_blocks(row, g, ids)
+        self.dirty_rows.add(row)
 
     def append_blocks(self, row: int, group: int, block_ids: list[int]) -> None:
+        self.dirty_rows.add(row)
         n = self.num_blocks[group][row]
         self.block_tables[group][row, n : n + len(block_ids)] = block_ids
         self.num_blocks[group][row] = n + len(block_ids)
@@ -85,8 +88,13 @@ class InputBatch:
             for table, count in zip(self.block_tables, self.num_blocks):
                 table[row] = table[last]
                 count[row] = count[last]
+            self.dirty_rows.add(row)
         self.req_ids.pop()
         self.states.pop()
+
+    def take_dirty_rows(self) -> list[int]:
+        rows, self.dirty_rows = sorted(self.dirty_rows), set()
+        return rows
 
     def block_table(self, group: int, row: int) -> np.ndarray:
         """The blocks of a row in one attention group."""

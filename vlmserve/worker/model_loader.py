@@ -74,10 +74,10 @@ def bf16_pays(fp32_seconds: float, bf16_seconds: float) -> bool:
     return bf16_seconds < 0.8 * fp32_seconds
 
 
-def resolve_dtype(name: str, hf_config) -> torch.dtype:
-    """'auto' runs the checkpoint's own dtype, except that half precision runs as bfloat16
-    where bf16 matmuls are faster than fp32 on this CPU (no CPU here has fast fp16 ones),
-    else as float32."""
+def resolve_dtype(name: str, hf_config, device: str = "cpu") -> torch.dtype:
+    """'auto' runs the checkpoint's own dtype (a GPU runs it as saved), except that on the
+    CPU half precision runs as bfloat16 where bf16 matmuls are faster than fp32 on this
+    CPU (no CPU here has fast fp16 ones), else as float32."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
@@ -85,6 +85,8 @@ def resolve_dtype(name: str, hf_config) -> torch.dtype:
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(saved, str):
         saved = _DTYPES.get(saved)
+    if torch.device(device).type == "cuda":
+        return saved or torch.float32
     half = saved in (torch.bfloat16, torch.float16)
     return torch.bfloat16 if half and cpu_bf16_is_faster() else torch.float32
 
@@ -106,14 +108,15 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
 
 
 def load_model(
-    model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu", pack_weights: bool = True
+    model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu", pack_weights: bool = True,
+    use_triton: bool = False,
 ) -> tuple[nn.Module, object]:
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if not isinstance(dtype, torch.dtype):
-        dtype = resolve_dtype(dtype, hf_config)
+        dtype = resolve_dtype(dtype, hf_config, device)
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
-    ops.use(torch.device(device).type)  # the kernels for this device, chosen once
+    ops.use(torch.device(device).type, triton=use_triton)  # the kernels for this device, chosen once
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
     model.load_weights(iter_safetensors(model_path))

@@ -19,6 +19,7 @@ from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.sampler import SamplingBatch, logprobs_entry, sample
+from vlmserve.worker.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class ModelRunner:
         self.attention_groups = [g for g in self.groups if isinstance(g.spec, AttentionSpec)]
         max_blocks = [-(-self.max_model_len // self.block_size)] * len(self.attention_groups)
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks)
+        self.staging = Staging(self.device)
+        # block tables as the kernels read them: on the CPU a view of the batch's arrays;
+        # on a GPU a device copy whose changed rows are uploaded before each step
+        self.device_tables = [torch.from_numpy(t).to(self.device) for t in self.input_batch.block_tables]
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.encoder_runs = 0  # media items encoded, for tests and stats
 
@@ -147,7 +152,7 @@ class ModelRunner:
                 mm_features=new.mm_features,
                 sampling_params=params,
                 generator=gen,
-                mrope_positions=new.mrope_positions,
+                mrope_positions=None if new.mrope_positions is None else new.mrope_positions.to(self.device),
                 mrope_delta=new.mrope_delta,
                 num_computed_tokens=new.num_computed_tokens,
                 num_output_tokens=len(new.output_token_ids),
@@ -198,7 +203,7 @@ class ModelRunner:
         fast_pos = np.asarray(num_computed[:n_fast], dtype=np.int64)
         ids = [batch.token_ids[fast_rows, fast_pos]]
         deltas = np.asarray([s.mrope_delta for s in states[:n_fast]], dtype=np.int64)
-        pos = [torch.from_numpy(fast_pos + deltas).expand(3, -1)]
+        pos = [self.staging.upload("decode_positions", fast_pos + deltas).expand(3, -1)]
         for state, row, c, q in zip(states[n_fast:], rows[n_fast:], num_computed[n_fast:], query_lens[n_fast:]):
             ids.append(batch.token_ids[row, c : c + q])
             pos.append(self._positions(state, c, c + q))
@@ -207,14 +212,14 @@ class ModelRunner:
             rows=rows,
             num_computed=num_computed,
             query_lens=query_lens,
-            input_ids=torch.from_numpy(np.concatenate(ids)).to(self.device),
-            positions=torch.cat(pos, dim=1).to(self.device),
+            input_ids=self.staging.upload("input_ids", np.concatenate(ids)),
+            positions=torch.cat(pos, dim=1) if len(pos) > 1 else pos[0],
         )
 
-    @staticmethod
-    def _positions(state: CachedRequestState, start: int, end: int) -> torch.Tensor:
+    def _positions(self, state: CachedRequestState, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions of tokens [start, end): the prompt's were computed once at
-        input processing; generated tokens continue them by a constant delta."""
+        input processing (and are on the device since the request came); generated
+        tokens continue them by a constant delta."""
         n_prompt = state.num_prompt_tokens
         parts = []
         if start < n_prompt:
@@ -222,9 +227,9 @@ class ModelRunner:
             if state.mrope_positions is not None:
                 parts.append(state.mrope_positions[:, start:stop])
             else:
-                parts.append(torch.arange(start, stop).expand(3, -1))
+                parts.append(torch.arange(start, stop, device=self.device).expand(3, -1))
         if end > n_prompt:
-            gen = torch.arange(max(start, n_prompt), end) + state.mrope_delta
+            gen = torch.arange(max(start, n_prompt), end, device=self.device) + state.mrope_delta
             parts.append(gen.expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
@@ -244,7 +249,7 @@ class ModelRunner:
                 dest.append(torch.arange(token_start + lo - c, token_start + hi - c))
             token_start += q
         if dest:
-            embeds.index_copy_(0, torch.cat(dest).to(self.device), torch.cat(src).to(embeds.dtype))
+            embeds.index_copy_(0, torch.cat(dest).to(self.device), torch.cat(src).to(embeds.device, embeds.dtype))
 
     def _forward_context(self, step: StepInputs) -> ForwardContext:
         batch = self.input_batch
@@ -252,16 +257,28 @@ class ModelRunner:
         rows = np.asarray(step.rows, dtype=np.int64)
         if self.recurrent_layers:
             slots = [batch.states[r].state_slot for r in step.rows]
-            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.device)
+            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.staging.upload)
             recurrent = {layer: meta for layer in self.recurrent_layers}
+        self._sync_block_tables()
+        rows_t = self.staging.upload("rows", rows)
         for a, group in enumerate(self.attention_groups):
             spec = group.spec
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
             width = int(batch.num_blocks[a][rows].max())
-            meta = build_attention_metadata(batch.block_tables[a][rows, :width], step.num_computed, step.query_lens,
-                                            self.block_size, window, self.device)
+            upload = lambda name, array, a=a: self.staging.upload(f"attn{a}.{name}", array)
+            meta = build_attention_metadata(self.device_tables[a][rows_t, :width], step.num_computed,
+                                            step.query_lens, self.block_size, window, upload)
             attn.update({layer: meta for layer in group.layer_ids})
         return ForwardContext(kv_caches=self.kv_caches, attn_metadata=attn, layer_state=recurrent)
+
+    def _sync_block_tables(self) -> None:
+        rows = self.input_batch.take_dirty_rows()
+        if self.device.type == "cpu" or not rows:
+            return  # the CPU tables are views of the batch's arrays
+        rows_np = np.asarray(rows, dtype=np.int64)
+        rows_t = self.staging.upload("dirty_rows", rows_np)
+        for a, table in enumerate(self.input_batch.block_tables):
+            self.device_tables[a][rows_t] = self.staging.upload(f"dirty_table{a}", table[rows_np])
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         batch = self.input_batch
@@ -327,9 +344,9 @@ class ModelRunner:
             else:
                 banned.append([])
         return SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-            top_p=torch.tensor([p.top_p for p in params]),
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=self.device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
+            top_p=torch.tensor([p.top_p for p in params], device=self.device),
             generators=[s.generator or self.generator for s in states],
             banned_token_ids=banned,
             num_logprobs=[p.logprobs for p in params],

@@ -1,0 +1,178 @@
+"""Triton kernels for attention: paged attention over the KV cache for a mixed batch of
+decodes and prefills (sliding window, GQA, the cache's pair layouts: see attention.py),
+the KV-cache write, and the vision tower's packed variable-length attention.
+
+Registered for the "triton" implementations (CUDA, or CPU tensors under
+TRITON_INTERPRET=1, where they are tested in fp32: the interpreter has no bf16 dot).
+Scores and the softmax run in fp32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vlmserve.kernels.attention import AttentionMetadata
+from vlmserve.kernels.registry import register
+
+BLOCK_M = 16  # query tokens per program
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    scale, window, bt_stride, num_q_heads, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program: BLOCK_M query tokens of one sequence, one query head."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // (num_q_heads // num_kv_heads)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + ((q_start + rows)[:, None] * num_q_heads + head) * HEAD_DIM + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    pos = seq_len - q_len + rows  # each query's position
+    first_pos = seq_len - q_len + tile * BLOCK_M
+    last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(first_pos - window + 1, 0)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    for b in range(lo // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
+        block = tl.load(block_tables_ptr + seq * bt_stride + b).to(tl.int64)
+        base = (block * num_kv_heads + kv_head) * HEAD_DIM * BLOCK_SIZE
+        # keys [D / 2, BS, 2]: channel d of token t at (d // 2) * 2 * BS + 2 * t + d % 2
+        k_off = (dims[:, None] // 2) * (2 * BLOCK_SIZE) + 2 * offsets[None, :] + dims[:, None] % 2
+        keys_t = tl.load(k_cache_ptr + base + k_off, mask=dim_ok[:, None], other=0.0).to(tl.float32)  # [D, BS]
+        # values [BS / 2, D, 2]: token t, channel d at (t // 2) * 2 * D + 2 * d + t % 2
+        v_off = (offsets[:, None] // 2) * (2 * HEAD_DIM) + 2 * dims[None, :] + offsets[:, None] % 2
+        values = tl.load(v_cache_ptr + base + v_off, mask=dim_ok[None, :], other=0.0).to(tl.float32)  # [BS, D]
+        scores = tl.dot(q, keys_t) * scale  # [M, BS]
+        key_pos = b * BLOCK_SIZE + offsets
+        visible = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]
+        if window > 0:
+            visible = visible & (key_pos[None, :] > pos[:, None] - window)
+        scores = tl.where(visible, scores, -1e30)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
+        correction = tl.exp(m_i - m_new)
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p, values)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + ((q_start + rows)[:, None] * num_q_heads + head) * HEAD_DIM + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One program: one token's keys and values of one head, into the pair layouts."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dims = tl.arange(0, BLOCK_D)
+    ok = dims < HEAD_DIM
+    src = (token * num_kv_heads + head) * HEAD_DIM + dims
+    base = (block * num_kv_heads + head) * HEAD_DIM * BLOCK_SIZE
+    tl.store(k_cache_ptr + base + (dims // 2) * (2 * BLOCK_SIZE) + 2 * offset + dims % 2, tl.load(k_ptr + src, mask=ok),
+             mask=ok)
+    tl.store(v_cache_ptr + base + (offset // 2) * (2 * HEAD_DIM) + 2 * dims + offset % 2, tl.load(v_ptr + src, mask=ok),
+             mask=ok)
+
+
+def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> None:
+    tokens, heads, dim = k.shape
+    if tokens == 0:
+        return
+    _write_kv_kernel[(tokens, heads)](k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping, heads,
+                                      HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3])
+
+
+@register("paged_attention", "triton")
+def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_seqs = len(meta.seq_lens_host)
+    starts = meta.query_start_host
+    max_q = max((starts[i + 1] - starts[i] for i in range(num_seqs)), default=0)
+    if num_seqs == 0 or max_q == 0:
+        return out
+    dim = q.shape[2]
+    grid = (num_seqs, q.shape[1], triton.cdiv(max_q, BLOCK_M))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.seq_lens, scale, meta.sliding_window,
+        meta.block_tables.shape[1], q.shape[1], k_cache.shape[1],
+        HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3], BLOCK_M=BLOCK_M,
+    )
+    return out
+
+
+@triton.jit
+def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, scale, num_heads,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M queries of one packed sequence, one head; every key of the
+    sequence is visible (bidirectional)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    if tile * BLOCK_M >= length:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < length
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + ((start + rows)[:, None] * num_heads + head) * HEAD_DIM + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < length
+        kv_off = ((start + cols)[:, None] * num_heads + head) * HEAD_DIM + dims[None, :]
+        keys = tl.load(k_ptr + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        values = tl.load(v_ptr + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(keys)) * scale
+        scores = tl.where(col_ok[None, :], scores, -1e30)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.where(col_ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        correction = tl.exp(m_i - m_new)
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p, values)
+        m_i = m_new
+    tl.store(out_ptr + ((start + rows)[:, None] * num_heads + head) * HEAD_DIM + dims[None, :],
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@register("varlen_attention", "triton")
+def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
+                            scale: float) -> torch.Tensor:
+    n, heads, dim = q.shape
+    out = torch.empty_like(q)
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
+    grid = (len(seq_lens), heads, triton.cdiv(max(seq_lens), BLOCK_M))
+    _varlen_attention_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), out, cu.to(q.device), scale, heads,
+                                   HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=BLOCK_M, BLOCK_N=32)
+    return out
