@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmserve.kernels import gdn, ops
+from vlmserve.kernels import gdn
 from vlmserve.kernels.attention import build_attention_metadata
 from vlmserve.kernels.linear import PACKED_MIN_ROWS
 from vlmserve.models.layers import Linear

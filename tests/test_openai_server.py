@@ -169,7 +169,9 @@ def test_errors_have_the_right_status_and_the_next_request_works(server):
         (client, dict(ok, messages=[{"role": "user", "content": "Hello " * 6000}]), openai.BadRequestError, 400,
          "context"),
         (client, dict(ok, temperature=-1), openai.BadRequestError, 400, "temperature"),
-        (client, dict(ok, response_format={"type": "json_object"}), openai.BadRequestError, 400, "response_format"),
+        (client, dict(ok, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}), openai.BadRequestError, 400,
+         'JSON schema is not valid: Unsupported type "nosuchtype"'),
         (client, dict(ok, messages=image_chat(data_url(make_image(900, 900, 1)) * 1)), openai.APIStatusError, 413,
          "limit"),
     ]
@@ -429,3 +431,125 @@ def test_a_client_that_hangs_up_on_a_plain_request_aborts_it(server):
         time.sleep(0.1)
     assert server.metric("num_requests_running") == 0 and server.metric("kv_cache_blocks_in_use") == 0
     assert server.metric('request_success_total{finished_reason="abort"}') == aborted + 1
+
+
+# -- structured output and tools through the official client ------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "unit", "days"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                                                  "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+                                  "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_json_schema_through_parse_and_streaming(server):
+    from typing import Literal
+
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class Shape(BaseModel):
+        color: Literal["red", "green", "blue", "orange"]
+        shape: Literal["circle", "square", "triangle"]
+        where: str = Field(max_length=20)
+
+    class Picture(BaseModel):
+        count: int = Field(ge=0, le=9)
+        shapes: list[Shape] = Field(max_length=3)
+
+    client = server.client()
+    messages = image_chat(data_url(IMG), "Describe the shapes as JSON.")
+    for seed in range(4):
+        done = client.chat.completions.parse(model="tiny", messages=messages, response_format=Picture,
+                                            temperature=1.0, seed=seed, max_tokens=400)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Picture)
+    schema = Picture.model_json_schema()
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, stream=True, temperature=1.0, max_tokens=400,
+        response_format={"type": "json_schema", "json_schema": {"name": "picture", "schema": schema, "strict": True}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_choice_regex_and_json_object_the_way_vllm_clients_send_them(server):
+    client = server.client()
+    choices = ["yes", "no"]
+    for seed in range(3):
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is it red?"}],
+                                              temperature=1.0, seed=seed, extra_body={"guided_choice": choices})
+        assert chat.choices[0].message.content in choices
+    done = client.completions.create(model="tiny", prompt="Serial:", temperature=1.0, max_tokens=20, n=3,
+                                     extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-\d{4}"}})
+    assert all(re.fullmatch(r"[A-Z]{3}-\d{4}", c.text) for c in done.choices)
+    obj = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
+                                         temperature=0, max_tokens=300, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError, match="one structured output"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
+
+
+def test_named_and_required_tool_calls_then_the_tool_result(server):
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER, ADD], temperature=1.0, max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    for seed in range(3):
+        required = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, ADD], seed=seed,
+                                                  temperature=1.0, max_tokens=200, tool_choice="required")
+        call_r = required.choices[0].message.tool_calls[0]
+        tool = {"get_weather": WEATHER, "add": ADD}[call_r.function.name]
+        jsonschema.validate(json.loads(call_r.function.arguments), tool["function"]["parameters"])
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], temperature=1.0, max_tokens=200, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(streamed[0].function.arguments), WEATHER["function"]["parameters"])
+    assert deltas[-1].finish_reason == "tool_calls"
+
+    follow_up = messages + [choice.message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 degrees"}]
+    answer = client.chat.completions.create(model="tiny", messages=follow_up, tools=[WEATHER], max_tokens=8,
+                                            temperature=0)
+    plain = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], max_tokens=8,
+                                           temperature=0)
+    # the call and its result are in the prompt: the template rendered them
+    result_tokens = client.completions.create(model="tiny", prompt="sunny, 21 degrees", max_tokens=1).usage.prompt_tokens
+    assert answer.usage.prompt_tokens - plain.usage.prompt_tokens > result_tokens
+    none = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=8, temperature=0)
+    assert none.usage.prompt_tokens < plain.usage.prompt_tokens  # no tools listed
+
+
+def test_sampling_parameters_over_the_api(server):
+    client = server.client()
+    base = dict(model="tiny", prompt="The shapes", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    accepted = client.completions.create(**base, presence_penalty=0.0, frequency_penalty=0.0)  # SDK defaults
+    assert accepted.usage.completion_tokens == 4
+    forced = client.completions.create(**dict(base, extra_body={"ignore_eos": True, "min_p": 0.1,
+                                                                "repetition_penalty": 1.1}), logit_bias={"100": 100})
+    assert forced.choices[0].text == client.completions.create(
+        model="tiny", prompt="x", max_tokens=1, temperature=0, logit_bias={"100": 100}).choices[0].text * 4
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(**base, presence_penalty=3.0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(**base, logit_bias={"999999": 1})

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vlmserve.structured_output.manager import RequestGrammar
 
 
 class FinishReason(str, enum.Enum):
@@ -20,7 +23,7 @@ class FinishReason(str, enum.Enum):
 class RequestStatus(enum.IntEnum):
     # waiting states
     WAITING = enum.auto()
-    WAITING_FOR_FSM = enum.auto()  # structured output grammar compiling (not used yet)
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is compiling
     # running states
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -91,6 +94,10 @@ class Request:
         # where each media item's embeddings came from: "encoded" or "encoder_cache"
         # (items wholly inside the prefix-cache hit never needed them)
         self.media_sources: dict[int, str] = {}
+
+        # structured output: set by the engine core (it compiles grammars); the scheduler
+        # holds the request back until it is ready and advances it with every token
+        self.grammar: RequestGrammar | None = None
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

@@ -32,6 +32,50 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the answer must match: exactly one of a JSON schema, any JSON object, a regex,
+    a list of choices, or a grammar (EBNF as xgrammar reads it, or Lark). The names are
+    vLLM's, so its clients work unchanged."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice "
+               f"and grammar, got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json must be a schema")
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex),
+               "structured_outputs.regex must be a non-empty string")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar),
+               "structured_outputs.grammar must be a non-empty string")
+        _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on: the cache key."""
+        import json
+
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", self.grammar
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -48,6 +92,17 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
     prompt_logprobs: int | None = None  # same for prompt positions; -1: the whole vocabulary
     skip_special_tokens: bool = True
+    # applied in this order, as vLLM does: the grammar's mask; min_tokens, bad_words and
+    # logit_bias; the penalties; temperature; min_p; top_k and top_p
+    structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] = field(default_factory=list)  # never generated (every tokenization)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # divides (>0) or multiplies (<0) logits of prompt and output tokens
+    min_p: float = 0.0  # drops tokens below min_p times the most likely token's probability
+    # bad_words as token-id sequences, set by the engine with its tokenizer
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Range checks that need no model; `verify` adds the model's. Each failure is a
@@ -77,6 +132,19 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.bad_words = list(self.bad_words or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+               "logit_bias must map token ids to numbers in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -86,6 +154,8 @@ class SamplingParams:
         _check(max_n is None or self.n <= max_n, f"n is {self.n}, over this server's limit of {max_n} (--max-n)")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         _check(not bad, f"stop_token_ids holds {bad[:1]}, not a token id of this model (0 to {vocab_size - 1})")
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        _check(not bad, f"logit_bias holds {bad[:1]}, not a token id of this model (0 to {vocab_size - 1})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value <= vocab_size, f"{name} is {value}, over the vocabulary of {vocab_size}")
@@ -93,6 +163,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def with_stop_token_ids(self, token_ids: list[int]) -> SamplingParams:
         extra = [t for t in token_ids if t not in self.stop_token_ids]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
@@ -20,6 +21,9 @@ from vlmserve.core.sched_output import (
     SchedulerOutput,
 )
 from vlmserve.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from vlmserve.structured_output.manager import RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []  # WAITING_FOR_FSM: compiling off the step loop
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
 
@@ -122,7 +127,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.grammar is not None and not request.grammar.ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_grammar.append(request)
+        else:
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """Ends requests from outside the step loop (abort, stop string, error)."""
@@ -134,13 +143,40 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
     def has_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.waiting_for_grammar)
+
+    def admit_compiled(self) -> list[tuple[str, str]]:
+        """Requests whose grammar is ready join the waiting queue; those whose grammar
+        failed to compile end with an error: (request id, why) for each."""
+        failed = []
+        for request in [r for r in self.waiting_for_grammar if r.grammar.ready()]:
+            self.waiting_for_grammar.remove(request)
+            error = request.grammar.error()
+            if error is None:
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+            else:
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                failed.append((request.request_id, error))
+        return failed
+
+    def grammars_sampling(self, scheduler_output: SchedulerOutput) -> list[tuple[str, RequestGrammar]]:
+        """The requests of a step that sample a token under a grammar, in step order."""
+        found = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests[rid]
+            if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+                found.append((rid, request.grammar))
+        return found
 
     def reset_caches(self) -> None:
         """Forgets the prefix and encoder caches (no request may be running)."""
@@ -340,6 +376,8 @@ class Scheduler:
         logger.debug("preempting %s", request.request_id)
         self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
+        if request.grammar is not None:
+            request.grammar.release()  # a fresh matcher replays the tokens on resumption
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -378,6 +416,8 @@ class Scheduler:
         for token_id in new_token_ids:
             request.append_output_token_ids(token_id)
             kept.append(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id} that its own mask allowed")
             if self._check_stop(request):
                 break
         logprobs = runner_output.logprobs.get(rid)
@@ -414,6 +454,9 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        if request.grammar is not None and request.grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar took a stop token
+            return True
         return False
 
     def _free_finished_encoder_inputs(self, request: Request) -> None:
@@ -425,6 +468,8 @@ class Scheduler:
                 self.encoder_cache_manager.free_encoder_input(request, i)
 
     def _free_request(self, request: Request) -> None:
+        if request.grammar is not None:
+            request.grammar.release()
         self.encoder_cache_manager.free(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -436,7 +481,7 @@ class Scheduler:
         enc = self.encoder_cache_manager.stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
             group_kinds=kv.group_kinds(),
             blocks_in_use=kv.blocks_in_use(),
             num_free_blocks=kv.num_free_blocks,

@@ -9,6 +9,7 @@ Qwen-style template renders them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,16 +41,43 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ParsedChat:
         content = message.get("content")
         if content is None:
             content = ""
+        if role == "tool" and isinstance(content, list):  # a tool's result: its text parts
+            content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        extra = _tool_fields(message, f"messages[{i}]")
         if isinstance(content, str):
-            parsed.messages.append({"role": role, "content": content})
+            parsed.messages.append({"role": role, "content": content, **extra})
             continue
         if not isinstance(content, list):
             raise ValueError(f"messages[{i}].content must be a string or a list of parts")
         parts = []
         for j, part in enumerate(content):
             parts.append(_parse_part(part, parsed, f"messages[{i}].content[{j}]"))
-        parsed.messages.append({"role": role, "content": parts})
+        parsed.messages.append({"role": role, "content": parts, **extra})
     return parsed
+
+
+def _tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant's tool calls (arguments as objects, as templates take them) and a
+    tool result's call id."""
+    extra: dict[str, Any] = {}
+    if message.get("tool_calls"):
+        calls = []
+        for j, call in enumerate(message["tool_calls"]):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{where}.tool_calls[{j}] must have a function with a name")
+            arguments = function.get("arguments") or "{}"
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    raise ValueError(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
+            calls.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": function["name"], "arguments": arguments}})
+        extra["tool_calls"] = calls
+    if message.get("tool_call_id") is not None:
+        extra["tool_call_id"] = str(message["tool_call_id"])
+    return extra
 
 
 def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
@@ -86,6 +114,7 @@ def render_chat(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptInput:
     parsed = parse_chat_messages(messages)
     try:
@@ -93,6 +122,7 @@ def render_chat(
             parsed.messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # a template error is the request's fault

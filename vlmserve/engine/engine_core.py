@@ -17,6 +17,7 @@ from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
+from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
@@ -36,13 +37,19 @@ class CoreInfo:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, timer: PhaseTimer | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, structured: StructuredOutputManager,
+                 timer: PhaseTimer | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.structured = structured
         self.timer = timer or PhaseTimer()
         self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        if params.structured_outputs is not None:
+            stop_ids = ([] if request.eos_token_id is None else [request.eos_token_id]) + params.stop_token_ids
+            request.grammar = self.structured.grammar_for(params.structured_outputs, request.output_token_ids, stop_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -66,21 +73,27 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         with self.timer.phase("schedule"):
+            failed = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=why)
+                      for rid, why in self.scheduler.admit_compiled()]
             scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting_for_grammar:
+            time.sleep(0.001)  # only grammars compiling: leave the CPU to their thread
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            with self.timer.phase("grammar bitmask"):
+                grammar = self.structured.bitmask(self.scheduler.grammars_sampling(scheduler_output))
+            runner_output = self.runner.execute_model(scheduler_output, grammar)
         except Exception as e:
             # a fault in the model fails the requests of this step, not the engine
             logger.exception("model execution failed")
             ids = list(scheduler_output.num_scheduled_tokens)
             self.scheduler.discard_step(scheduler_output)
-            return [
+            return failed + [
                 EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(e).__name__}: {e}")
                 for rid in ids
             ]
         self.num_steps += 1
         with self.timer.phase("scheduler update"):
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
 
 
 def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | None,
@@ -107,9 +120,10 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
+    structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
     info = CoreInfo(max_model_len, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start)
-    return EngineCore(scheduler, runner, timer), info
+    return EngineCore(scheduler, runner, structured, timer), info
 
 
 def kv_cache_config(args: EngineArgs, groups) -> KVCacheConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.structured_output.grammar import build_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,7 @@ class LLMEngine:
     ) -> ProcessedRequest:
         """Validates and processes a request (media included); raises ValueError on bad
         input. Thread-safe and independent of the step loop: run it in a worker pool."""
-        params = params or SamplingParams()
-        self.check_params(params)
+        params = self.check_params(params or SamplingParams())
         arrival_time = arrival_time or time.time()
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
@@ -149,14 +149,32 @@ class LLMEngine:
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> PromptInput:
-        """OpenAI-style chat messages as a prompt, by the checkpoint's chat template
-        (ValueError for messages it cannot take)."""
-        return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs)
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
+        """OpenAI-style chat messages (and tools) as a prompt, by the checkpoint's chat
+        template (ValueError for messages it cannot take)."""
+        return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs,
+                           tools)
 
-    def check_params(self, params: SamplingParams) -> None:
-        """The model's checks of a request's sampling parameters (ParamError if bad)."""
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """The model's checks of a request's sampling parameters (ParamError if bad): ids in
+        the vocabulary, a grammar that parses; returns them with bad words tokenized."""
         params.verify(self.vocab_size, self.args.max_n)
+        if params.structured_outputs is not None:
+            build_grammar(params.structured_outputs)
+        if params.bad_words:
+            params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
+        return params
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the tokenizer writes it alone and after a space, as vLLM does."""
+        found: list[list[int]] = []
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     def add_processed(self, processed: ProcessedRequest) -> None:
         """Queues a processed request (on the thread that steps the engine)."""

@@ -22,10 +22,28 @@ SPECIAL_TOKENS = [
 def qwen_chat_template(video: str = "<|vision_start|><|video_pad|><|vision_end|>") -> str:
     """Qwen-style: <|im_start|>role\n...<|im_end|>\n; a picture is
     <|vision_start|><|image_pad|><|vision_end|>, a video the given markup (Qwen3-style
-    processors expand a bare <|video_pad|> into timestamped frame groups themselves)."""
+    processors expand a bare <|video_pad|> into timestamped frame groups themselves).
+    Tools as Qwen3's template writes them: listed in a system block, an assistant's calls
+    as <tool_call> JSON blocks, a tool's result as a <tool_response> in a user turn."""
     return (
+        "{%- if tools %}"
+        "{{- '<|im_start|>system\n' }}"
+        "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
+        "{{- messages[0]['content'] + '\n\n' }}"
+        "{%- endif %}"
+        "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+        "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+        "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+        "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+        "{%- endif %}"
         "{%- for message in messages %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if tools and loop.first and message['role'] == 'system' and message['content'] is string %}"
+        "{%- elif message['role'] == 'tool' %}"
+        "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message['role'] + '\n' }}"
         "{%- if message['content'] is string %}"
         "{{- message['content'] }}"
         "{%- else %}"
@@ -39,10 +57,17 @@ def qwen_chat_template(video: str = "<|vision_start|><|video_pad|><|vision_end|>
         "{%- endif %}"
         "{%- endfor %}"
         "{%- endif %}"
-        "{{- '<|im_end|>\\n' }}"
+        "{%- for call in message.get('tool_calls') or [] %}"
+        "{%- if loop.first and message['content'] %}{{- '\n' }}{%- endif %}"
+        "{%- if not loop.first %}{{- '\n' }}{%- endif %}"
+        "{{- '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+        "+ (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+        "{%- endfor %}"
+        "{{- '<|im_end|>\n' }}"
+        "{%- endif %}"
         "{%- endfor %}"
         "{%- if add_generation_prompt %}"
-        "{{- '<|im_start|>assistant\\n' }}"
+        "{{- '<|im_start|>assistant\n' }}"
         "{%- endif %}"
     )
 

@@ -18,7 +18,8 @@ from vlmserve.kernels.attention import build_attention_metadata, kv_cache_shapes
 from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
-from vlmserve.worker.sampler import SamplingBatch, logprobs_entry, sample
+from vlmserve.structured_output.manager import GrammarBitmask
+from vlmserve.worker.sampler import Penalties, SamplingBatch, logprobs_entry, sample, token_histories
 from vlmserve.worker.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class ModelRunner:
 
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         timer = self.timer
         with timer.phase("runner: inputs"):
             self._update_states(so)
@@ -125,7 +126,7 @@ class ModelRunner:
             hidden = self.model.forward(embeds, step.positions, ctx)
             self._copy_states(so.state_saves)
         with timer.phase("runner: sample"):
-            return self._sample(step, hidden)
+            return self._sample(step, hidden, grammar)
 
     def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Recurrent-state slot copies the scheduler asked for (prefix-cache restores
@@ -280,7 +281,7 @@ class ModelRunner:
         for a, table in enumerate(self.input_batch.block_tables):
             self.device_tables[a][rows_t] = self.staging.upload(f"dirty_table{a}", table[rows_np])
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         batch = self.input_batch
         sample_idx, sample_pos = [], []  # which requests sample, and the token that does
         prompt_lp_rows: list[tuple[int, int, int, int]] = []  # (i, hidden start, count, first pos)
@@ -315,7 +316,9 @@ class ModelRunner:
         logprobs: dict[str, LogprobsEntry] = {}
         if sample_idx:
             logits = self.model.compute_logits(hidden[sample_pos])
-            tokens, entries = sample(logits, self._sampling_batch([step.rows[i] for i in sample_idx]))
+            batch_rows = [step.rows[i] for i in sample_idx]
+            sampling = self._sampling_batch(batch_rows, logits.shape[-1], grammar)
+            tokens, entries = sample(logits, sampling)
             for i, token, entry in zip(sample_idx, tokens, entries):
                 row = step.rows[i]
                 sampled[i] = [token]
@@ -333,21 +336,65 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _sampling_batch(self, rows: list[int]) -> SamplingBatch:
-        states = [self.input_batch.states[r] for r in rows]
+    def _sampling_batch(self, rows: list[int], vocab: int, grammar: GrammarBitmask | None) -> SamplingBatch:
+        """The sampling settings of these batch rows, as tensors over the rows."""
+        batch = self.input_batch
+        states = [batch.states[r] for r in rows]
         params = [s.sampling_params for s in states]
-        eos = self.eos_token_id
-        banned = []
-        for s, p in zip(states, params):
-            if s.num_output_tokens < p.min_tokens:
-                banned.append(([] if eos is None or p.ignore_eos else [eos]) + list(p.stop_token_ids))
-            else:
-                banned.append([])
-        return SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=self.device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], device=self.device),
+        dev = self.device
+        sampling = SamplingBatch(
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], device=dev),
+            min_p=torch.tensor([p.min_p for p in params], device=dev),
             generators=[s.generator or self.generator for s in states],
-            banned_token_ids=banned,
             num_logprobs=[p.logprobs for p in params],
+        )
+        banned = [(i, t) for i, (row, s) in enumerate(zip(rows, states)) for t in self._banned_tokens(row, s)]
+        if banned:
+            sampling.banned = tuple(torch.tensor(list(x), dtype=torch.long, device=dev) for x in zip(*banned))
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        if bias:
+            i, t, b = zip(*bias)
+            sampling.logit_bias = (torch.tensor(i, device=dev), torch.tensor(t, device=dev),
+                                   torch.tensor(b, dtype=torch.float32, device=dev))
+        if any(p.has_penalties for p in params):
+            sampling.penalties = self._penalties(rows, params, vocab)
+        if grammar is not None:
+            index = {rid: i for i, rid in enumerate(grammar.req_ids)}
+            pairs = [(i, index[s.req_id]) for i, s in enumerate(states) if s.req_id in index]
+            if pairs:
+                sample_rows, mask_rows = zip(*pairs)
+                sampling.grammar = (torch.tensor(sample_rows, device=dev),
+                                    grammar.bitmask[list(mask_rows)].to(dev))
+        return sampling
+
+    def _banned_tokens(self, row: int, state: CachedRequestState) -> list[int]:
+        """EOS and stop tokens while below min_tokens; bad words: a one-token word always,
+        a longer one's last token when the output ends with the rest of it."""
+        p = state.sampling_params
+        banned = []
+        if state.num_output_tokens < p.min_tokens:
+            banned += ([] if self.eos_token_id is None or p.ignore_eos else [self.eos_token_id]) + p.stop_token_ids
+        n_prompt, n_tokens = state.num_prompt_tokens, int(self.input_batch.num_tokens[row])
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= n_tokens - n_prompt and (
+                    not prefix or self.input_batch.token_ids[row, n_tokens - len(prefix) : n_tokens].tolist() == prefix):
+                banned.append(word[-1])
+        return banned
+
+    def _penalties(self, rows: list[int], params: list, vocab: int) -> Penalties:
+        batch = self.input_batch
+        rows_np = np.asarray(rows, dtype=np.int64)
+        num_tokens = batch.num_tokens[rows_np]
+        history = torch.from_numpy(batch.token_ids[rows_np, : int(num_tokens.max())]).to(self.device)
+        num_prompt = torch.tensor([batch.states[r].num_prompt_tokens for r in rows], device=self.device)
+        counts, in_prompt = token_histories(history, num_prompt, torch.from_numpy(num_tokens).to(self.device), vocab)
+        return Penalties(
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=self.device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=self.device),
+            presence=torch.tensor([p.presence_penalty for p in params], device=self.device),
+            output_counts=counts,
+            in_prompt=in_prompt,
         )

@@ -1,4 +1,8 @@
-"""Turns logits into tokens: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Turns logits into tokens. In vLLM's order: the grammar's bitmask; banned tokens
+(min_tokens' stop tokens, bad words) and logit_bias; repetition, frequency and presence
+penalties; then greedy, or temperature, min_p, top-k, top-p and a draw with per-request
+seeds. Logprobs are the model's own, before any of it. Every step is one tensor op over
+the batch; rows that do not use a setting pass through it unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +13,19 @@ import torch
 from vlmserve.core.sched_output import LogprobsEntry
 
 NEG_INF = float("-inf")
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass
+class Penalties:
+    """Repetition, frequency and presence penalties of the sampling rows, with the token
+    histories they need."""
+
+    repetition: torch.Tensor  # [rows]; 1 = off
+    frequency: torch.Tensor  # [rows]; 0 = off
+    presence: torch.Tensor  # [rows]; 0 = off
+    output_counts: torch.Tensor  # [rows, vocab] float: occurrences among the generated tokens
+    in_prompt: torch.Tensor  # [rows, vocab] bool
 
 
 @dataclass
@@ -18,9 +35,13 @@ class SamplingBatch:
     temperature: torch.Tensor  # [rows] float; 0 = greedy
     top_k: torch.Tensor  # [rows] long; 0 = off
     top_p: torch.Tensor  # [rows] float; 1 = off
+    min_p: torch.Tensor  # [rows] float; 0 = off
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
-    banned_token_ids: list[list[int]]  # per row: EOS/stop ids while below min_tokens
     num_logprobs: list[int | None]  # per row
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
+    penalties: Penalties | None = None
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bitmask of allowed tokens)
 
     @property
     def all_greedy(self) -> bool:
@@ -32,10 +53,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
     raw_logprobs = None
     if any(n is not None for n in batch.num_logprobs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any filtering
-    for row, banned in enumerate(batch.banned_token_ids):
-        if banned:
-            logits[row, banned] = NEG_INF
-
+    logits = apply_logit_rules(logits, batch)
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -48,10 +66,60 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
     return token_list, entries
 
 
+def apply_logit_rules(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Grammar, bans, logit_bias and penalties, in that order (in place where it can)."""
+    if batch.grammar is not None:
+        rows, bitmask = batch.grammar
+        logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), NEG_INF)
+    if batch.banned is not None:
+        logits[batch.banned] = NEG_INF
+    if batch.logit_bias is not None:
+        rows, ids, bias = batch.logit_bias
+        logits.index_put_((rows, ids), bias, accumulate=True)
+    if batch.penalties is not None:
+        logits = _apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 words (bit j of word w = token 32w + j allowed) -> [rows, vocab] bool."""
+    bits = _BITS.to(bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's (and transformers') semantics: a token seen in the prompt or the output has
+    its logit divided by the repetition penalty if positive, multiplied if negative; then
+    frequency * count and presence * (count > 0) are subtracted, over generated tokens."""
+    seen = p.in_prompt | (p.output_counts > 0)
+    rep = p.repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency[:, None] * p.output_counts - p.presence[:, None] * (p.output_counts > 0)
+
+
+def token_histories(token_ids: torch.Tensor, num_prompt: torch.Tensor, num_tokens: torch.Tensor,
+                    vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's tokens so far ([rows, length], valid up to num_tokens, the first
+    num_prompt of them the prompt): output-token counts [rows, vocab] and a prompt mask."""
+    pos = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
+    is_prompt = pos < num_prompt[:, None]
+    is_output = ~is_prompt & (pos < num_tokens[:, None])
+    rows = token_ids.shape[0]
+    counts = torch.zeros(rows, vocab + 1, device=token_ids.device)
+    counts.scatter_add_(1, torch.where(is_output, token_ids, vocab), torch.ones_like(token_ids, dtype=counts.dtype))
+    in_prompt = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=token_ids.device)
+    in_prompt.scatter_(1, torch.where(is_prompt, token_ids, vocab), True)
+    return counts[:, :vocab], in_prompt[:, :vocab]
+
+
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]
+    if bool((batch.min_p > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        keep = probs >= batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(~keep, NEG_INF)
     scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
     probs = torch.softmax(scaled, dim=-1)
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; a request with a

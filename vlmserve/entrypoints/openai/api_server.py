@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmserve import __version__
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
+from vlmserve.entrypoints.openai import tool_calls
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
 from vlmserve.metrics import CONTENT_TYPE, EngineMetrics
 from vlmserve.outputs import CompletionOutput, RequestOutput
@@ -266,23 +268,47 @@ class OpenAIServer:
     # -- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req)
+        tools = tool_calls.template_tools(req.tools) if req.uses_tools else None
         try:
-            prompt = self.engine.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            prompt = self.engine.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                                    tools)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, logprobs, default_max=None)
+        if req.uses_tools:
+            try:
+                forced = tool_calls.constraint(req.tools, req.tool_choice)
+            except ParamError as e:
+                raise OpenAIError(400, str(e), param=e.param) from None
+            if forced is not None and params.structured_outputs is not None:
+                raise OpenAIError(400, "a required or named tool_choice cannot be combined with response_format",
+                                  param="tool_choice")
+            params = dataclasses.replace(params, structured_outputs=forced or params.structured_outputs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first, gen = await self._start(request_id, prompt, params, req)
         if req.stream:
+            tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+
             def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
                 logprobs = None
                 if c.logprobs is not None and len(c.token_ids) > new_from:
                     logprobs = self._chat_logprobs(c.logprobs[new_from:])
-                return {"index": c.index, "delta": {"content": text} if text else {},
-                        "finish_reason": c.finish_reason, "logprobs": logprobs}
+                delta: dict[str, Any] = {"content": text} if text else {}
+                finish_reason = c.finish_reason
+                if req.uses_tools:
+                    stream = tool_streams.setdefault(c.index, tool_calls.ToolCallStream())
+                    first_call = stream.num_calls
+                    content, calls = stream.feed(c.text, final=c.finish_reason is not None)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": first_call + k, **call.message()}
+                                               for k, call in enumerate(calls)]
+                    if finish_reason == "stop" and stream.num_calls:
+                        finish_reason = "tool_calls"
+                return {"index": c.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
 
             base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": self.model_name}
@@ -294,8 +320,15 @@ class OpenAIServer:
         final = await self._final(first, gen, request)
         choices = []
         for c in final.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                      "finish_reason": c.finish_reason, "logprobs": None}
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if req.uses_tools:
+                content, calls = tool_calls.parse(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.message() for call in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choice = {"index": c.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
             if c.logprobs is not None:
                 choice["logprobs"] = self._chat_logprobs(c.logprobs)
             choices.append(choice)

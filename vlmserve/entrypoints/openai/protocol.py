@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -29,8 +29,42 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced as written
+
+
 class ResponseFormat(BaseModel):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class Function(BaseModel):
+        name: str
+
+    type: Literal["function"] = "function"
+    function: Function
 
 
 class SamplingRequest(BaseModel):
@@ -50,8 +84,19 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's ways to ask for structured output, under its names
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
@@ -65,15 +110,36 @@ class SamplingRequest(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v:
-            raise ValueError("presence/frequency penalties are not supported")
-        return v
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for, from whichever field it used."""
+        found: dict[str, StructuredOutputsParams] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found["response_format"] = StructuredOutputsParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            found["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if self.structured_outputs:
+            fields = {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = set(self.structured_outputs) - fields
+            if unknown:
+                raise ParamError("structured_outputs", f"structured_outputs takes {sorted(fields)}, not {sorted(unknown)}")
+            found["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        for key, value in guided.items():
+            if value is not None:
+                found[f"guided_{key}"] = StructuredOutputsParams(**{key: value})
+        if len(found) > 1:
+            raise ParamError(sorted(found)[1], f"ask for one structured output at a time, got {sorted(found)}")
+        return next(iter(found.values()), None)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -86,6 +152,13 @@ class SamplingRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
+            min_p=self.min_p or 0.0,
+            bad_words=list(self.bad_words or []),
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -94,16 +167,24 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format type {v.type!r} is not supported (only 'text')")
-        return v
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod
@@ -133,4 +214,4 @@ class CompletionRequest(SamplingRequest):
         return v
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]

@@ -1,0 +1,283 @@
+"""Structured output and the sampling parameters beyond temperature/top-k/top-p.
+
+The test checkpoints have random weights: left alone they write gibberish, so an answer
+that parses and validates is the grammar's doing, not the model's."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+import torch
+
+from conftest import make_image
+from vlmserve import LLM, SamplingParams
+from test_scheduler import make_scheduler
+from vlmserve.entrypoints.openai import tool_calls
+from vlmserve.request import Request, RequestStatus
+from vlmserve.sampling_params import ParamError, StructuredOutputsParams
+from vlmserve.structured_output.manager import RequestGrammar
+from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules, token_histories, unpack_bitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"type": "string", "enum": ["circle", "square", "triangle"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "maxItems": 4},
+        "box": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "y": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["x", "y"], "additionalProperties": False},
+    },
+    "required": ["name", "count", "kind", "score", "ok", "tags", "box"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(qwen25_path):
+    return LLM(qwen25_path, num_kv_blocks=256, max_num_seqs=32)
+
+
+def constrained(**spec) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**spec)
+
+
+def assert_nothing_left(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert sum(stats.blocks_in_use.values()) == 0
+
+
+def test_fifty_sampled_answers_to_a_nested_schema_all_validate(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=400, structured_outputs=constrained(json=SCHEMA))
+    prompts = [f"Record number {i}:" for i in range(50)]
+    outs = llm.generate(prompts, params)
+    texts = [o.outputs[0].text for o in outs]
+    assert len(set(texts)) > 40  # sampled, not one answer repeated
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    free = llm.generate(prompts[:8], SamplingParams(temperature=1.0, max_tokens=60))
+    assert not any(_parses(o.outputs[0].text) for o in free)  # the model alone writes no JSON
+    assert_nothing_left(llm)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_choices_regex_grammar_and_json_object(llm):
+    choices = ["yes", "no", "a red circle"]
+    outs = llm.generate(["Q:"] * 20, SamplingParams(temperature=1.0, max_tokens=30,
+                                                    structured_outputs=constrained(choice=choices)))
+    answers = [o.outputs[0].text for o in outs]
+    assert set(answers) <= set(choices) and len(set(answers)) > 1
+    pattern = r"[A-Z][a-z]{2,6}-\d{3}(\.[a-z]{2})?"
+    outs = llm.generate(["Code:"] * 20, SamplingParams(temperature=1.0, max_tokens=30,
+                                                       structured_outputs=constrained(regex=pattern)))
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [1-9] [0-9]?'
+    outs = llm.generate(["Sum:"] * 10, SamplingParams(temperature=1.0, max_tokens=30,
+                                                      structured_outputs=constrained(grammar=grammar)))
+    assert all(re.fullmatch(r"\(\d{1,2}(\+\d{1,2})?\)", o.outputs[0].text) for o in outs)
+    outs = llm.generate(["Obj:"] * 10, SamplingParams(temperature=0.0, max_tokens=200,
+                                                      structured_outputs=constrained(json_object=True)))
+    for o in outs:  # any object; a cut-off one is a prefix of an object
+        c = o.outputs[0]
+        assert c.text.startswith("{")
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), dict)
+
+
+def test_mixed_batch_pictures_n_stop_strings_cutoffs_prefix_hits_and_preemption(qwen25_path):
+    """Constrained and free requests in one batch, with pictures, n=3, a stop string, a
+    max_tokens cut-off, the same prompt twice (a prefix-cache hit) and a KV cache small
+    enough that requests are preempted: every constrained answer still validates."""
+    llm = LLM(qwen25_path, num_kv_blocks=40, block_size=16, max_num_seqs=16)
+    img = make_image(64, 64, seed=3)
+    prompt = {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe it as JSON.",
+              "multi_modal_data": {"image": img}}
+    json_params = SamplingParams(temperature=1.0, max_tokens=400, n=3, structured_outputs=constrained(json=SCHEMA))
+    cut = SamplingParams(temperature=1.0, max_tokens=5, structured_outputs=constrained(json=SCHEMA))
+    stop = SamplingParams(temperature=1.0, max_tokens=400, stop=['"kind"'], structured_outputs=constrained(json=SCHEMA))
+    free = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    prompts = [prompt, prompt, "plain text", prompt, prompt, "plain"]
+    params = [json_params, json_params, free, cut, stop, free]
+    outs = llm.generate(prompts, params)
+    for o in outs[0].outputs + outs[1].outputs:
+        assert o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert outs[1].num_cached_tokens > 0
+    assert outs[3].outputs[0].finish_reason == "length" and len(outs[3].outputs[0].token_ids) == 5
+    assert outs[4].outputs[0].finish_reason == "stop" and '"kind"' not in outs[4].outputs[0].text
+    assert outs[4].outputs[0].text.startswith('{"name":')
+    assert llm.engine.stats().num_preemptions > 0  # the resumed requests replayed their tokens
+    assert_nothing_left(llm)
+
+
+def test_hybrid_model_answers_validate(qwen35_path):
+    llm = LLM(qwen35_path, num_kv_blocks=128, max_num_seqs=8)
+    outs = llm.generate(["a", "b", "c", "d"], SamplingParams(temperature=1.0, max_tokens=400,
+                                                             structured_outputs=constrained(json=SCHEMA)))
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}), "JSON schema is not valid"),
+    (dict(regex="[a-"), "regex is not valid"),
+    (dict(grammar="root ::= missing_rule"), "grammar is not valid"),
+])
+def test_an_invalid_spec_is_refused_before_it_is_queued(llm, spec, message):
+    with pytest.raises(ParamError, match=message):
+        llm.generate(["x"], SamplingParams(structured_outputs=constrained(**spec)))
+    assert_nothing_left(llm)
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(ParamError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ParamError, match="exactly one"):
+        StructuredOutputsParams()
+
+
+# -- the scheduler holds a request back while its grammar compiles ----------------------------
+def test_a_request_waits_for_its_grammar_while_others_run():
+    scheduler = make_scheduler()
+    compiling: Future = Future()
+    waiting = Request("g", [1, 2, 3], SamplingParams(), eos_token_id=0)
+    waiting.grammar = RequestGrammar(compiling, waiting.output_token_ids, [0])
+    scheduler.add_request(waiting)
+    scheduler.add_request(Request("free", [4, 5, 6], SamplingParams(), eos_token_id=0))
+    assert waiting.status == RequestStatus.WAITING_FOR_FSM
+    assert scheduler.admit_compiled() == []
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"free"}
+    compiling.set_exception(ValueError("boom"))
+    failed = scheduler.admit_compiled()
+    assert failed and failed[0][0] == "g" and "boom" in failed[0][1]
+    assert "g" not in scheduler.requests and not scheduler.waiting_for_grammar
+    ready: Future = Future()
+    again = Request("g2", [1, 2, 3], SamplingParams(), eos_token_id=0)
+    again.grammar = RequestGrammar(ready, again.output_token_ids, [0])
+    scheduler.add_request(again)
+    scheduler.finish_requests("g2", RequestStatus.FINISHED_ABORTED)  # aborted while compiling
+    assert not scheduler.waiting_for_grammar and "g2" not in scheduler.requests
+
+
+# -- the sampling parameters against a straightforward computation -------------------------------
+def reference_rules(logits, prompts, outputs, rep, freq, pres, bias, banned):
+    """Per request and per token, the way the parameters are defined."""
+    out = logits.clone()
+    for r in range(out.shape[0]):
+        for t in banned[r]:
+            out[r, t] = float("-inf")
+        for t, b in bias[r].items():
+            out[r, t] += b
+        for t in set(prompts[r]) | set(outputs[r]):
+            out[r, t] = out[r, t] / rep[r] if out[r, t] > 0 else out[r, t] * rep[r]
+        for t in set(outputs[r]):
+            out[r, t] -= freq[r] * outputs[r].count(t) + pres[r]
+    return out
+
+
+def test_bans_bias_and_penalties_equal_the_reference():
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 50, 4
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    prompts = [[1, 2, 3, 3], [4, 5], [6], [7, 8, 9]]
+    outputs = [[10, 10, 11], [], [1, 6, 6, 6], [12]]
+    rep, freq, pres = [1.3, 1.0, 0.7, 2.0], [0.5, 0.0, 1.5, -0.5], [0.2, 1.0, -1.0, 0.0]
+    bias = [{0: 5.0}, {}, {3: -2.5, 4: 1.0}, {49: 100.0}]
+    banned = [[], [2, 7], [], [0]]
+    width = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+    history = torch.zeros(rows, width, dtype=torch.long)
+    for r, (p, o) in enumerate(zip(prompts, outputs)):
+        history[r, : len(p) + len(o)] = torch.tensor(p + o)
+    counts, in_prompt = token_histories(history, torch.tensor([len(p) for p in prompts]),
+                                        torch.tensor([len(p) + len(o) for p, o in zip(prompts, outputs)]), vocab)
+    b_rows = [r for r in range(rows) for _ in banned[r]]
+    l_rows = [r for r in range(rows) for _ in bias[r]]
+    batch = SamplingBatch(
+        temperature=torch.zeros(rows), top_k=torch.zeros(rows, dtype=torch.long), top_p=torch.ones(rows),
+        min_p=torch.zeros(rows), generators=[None] * rows, num_logprobs=[None] * rows,
+        banned=(torch.tensor(b_rows), torch.tensor([t for r in range(rows) for t in banned[r]])),
+        logit_bias=(torch.tensor(l_rows), torch.tensor([t for r in range(rows) for t in bias[r]]),
+                    torch.tensor([v for r in range(rows) for v in bias[r].values()])),
+        penalties=Penalties(torch.tensor(rep), torch.tensor(freq), torch.tensor(pres), counts, in_prompt),
+    )
+    got = apply_logit_rules(logits.clone(), batch)
+    want = reference_rules(logits, prompts, outputs, rep, freq, pres, bias, banned)
+    torch.testing.assert_close(got, want)
+
+
+def test_bitmask_unpacking_equals_a_bit_by_bit_reading():
+    g = torch.Generator().manual_seed(1)
+    vocab = 70
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    allowed = unpack_bitmask(bitmask, vocab)
+    for r in range(3):
+        for t in range(vocab):
+            assert bool(allowed[r, t]) == bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+
+
+def test_min_p_penalties_bias_and_bad_words_end_to_end(llm):
+    """Through the engine: a +100 bias makes a token the answer, a bad word never
+    appears, min_p=1 keeps only the most likely token (sampling = greedy), a strong
+    repetition penalty changes a greedy answer, and a huge presence penalty forbids
+    repeats."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base = llm.generate(["The shapes"], greedy)[0].outputs[0]
+    target = tok.encode("circle", add_special_tokens=False)[0]
+    biased = llm.generate(["The shapes"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                         logit_bias={target: 100.0}))[0].outputs[0]
+    assert biased.token_ids == [target] * 3
+    sampled_min_p = llm.generate(["The shapes"], SamplingParams(temperature=1.5, min_p=1.0, max_tokens=12,
+                                                                ignore_eos=True, seed=5))[0].outputs[0]
+    assert sampled_min_p.token_ids == base.token_ids
+    # a word the greedy answer writes (a token that is whole letters and encodes back to itself)
+    word = next(w for t in base.token_ids if (w := tok.decode([t]).strip()).isalpha() and w.isascii()
+                and tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    banned = llm.generate(["The shapes"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                         bad_words=[word]))[0].outputs[0]
+    assert banned.token_ids != base.token_ids
+    for ids in [tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)]:
+        assert not any(banned.token_ids[i : i + len(ids)] == ids for i in range(len(banned.token_ids)))
+    fresh = llm.generate(["The shapes"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                        presence_penalty=2.0, logit_bias={target: 0.0},
+                                                        repetition_penalty=1.0))[0].outputs[0]
+    assert fresh.token_ids != biased.token_ids
+    no_repeats = llm.generate(["The shapes"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                             repetition_penalty=1e6))[0].outputs[0]
+    assert len(set(no_repeats.token_ids)) == len(no_repeats.token_ids)
+    assert_nothing_left(llm)
+
+
+# -- tool-call blocks -------------------------------------------------------------------------------
+def test_tool_call_blocks_parse_and_stream():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    content, calls = tool_calls.parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    assert tool_calls.parse("no calls <tool_call>not json</tool_call>") == (
+        "no calls <tool_call>not json</tool_call>", [])
+    stream, got_content, got_calls = tool_calls.ToolCallStream(), "", []
+    for end in range(1, len(text) + 1):  # one character at a time
+        piece, calls = stream.feed(text[:end], final=end == len(text))
+        assert "<tool" not in piece
+        got_content += piece
+        got_calls += calls
+    assert got_content.strip() == "Let me check." and [c.name for c in got_calls] == ["get_weather", "add"]
