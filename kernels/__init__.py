@@ -13,6 +13,6 @@ if __name__ == "vlmserve.kernels":
     from vlmserve.kernels.registry import ops, register
 
     # importing the modules registers their implementations
-    from vlmserve.kernels import attention, gdn, linear, norms, rotary  # noqa: F401
+    from vlmserve.kernels import attention, gdn, linear, norms, rotary, sampling  # noqa: F401
 
     __all__ = ["ops", "register"]

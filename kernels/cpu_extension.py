@@ -18,7 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp")]
 HEADERS = [CSRC / "vec_math.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls

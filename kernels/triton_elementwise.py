@@ -1,7 +1,7 @@
 """Triton kernels for the elementwise work of a decoder layer: RMSNorm (plain,
 zero-centred, gated by silu), rotary embedding (rotate-half, whole or partial heads, so
-M-RoPE too: the models build the cos/sin tables), and silu(gate) * up. fp32 inside,
-rounded once to the output dtype."""
+M-RoPE too: the models build the cos/sin tables), and silu(gate) * up, fp32 inside,
+rounded once to the output dtype; and a grammar's token bitmask over the logits."""
 
 from __future__ import annotations
 
@@ -109,3 +109,25 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(n, 256))](gate_up, out, n, BLOCK=256)
     return out
+
+
+@triton.jit
+def _token_bitmask_kernel(logits_ptr, rows_ptr, mask_ptr, vocab, words, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + i)
+    in_vocab = tokens < vocab
+    word = tl.load(mask_ptr + i * words + tokens // 32, mask=in_vocab & (tokens // 32 < words), other=0)
+    allowed = ((word >> (tokens % 32)) & 1) != 0
+    tl.store(logits_ptr + row * vocab + tokens, float("-inf"), mask=in_vocab & ~allowed)
+
+
+@register("apply_token_bitmask", "triton")
+def apply_token_bitmask_triton(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """A grammar's token bitmask in place: every token whose bit is clear gets -inf."""
+    n, vocab = rows.numel(), logits.shape[-1]
+    if n:
+        block = 1024
+        _token_bitmask_kernel[(n, triton.cdiv(vocab, block))](logits, rows.to(torch.int64).contiguous(),
+                                                             bitmask.contiguous(), vocab, bitmask.shape[1],
+                                                             BLOCK=block)

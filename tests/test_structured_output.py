@@ -20,7 +20,8 @@ from vlmserve.entrypoints.openai import tool_calls
 from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import ParamError, StructuredOutputsParams
 from vlmserve.structured_output.manager import RequestGrammar
-from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules, token_histories, unpack_bitmask
+from vlmserve.kernels import sampling
+from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules, token_histories
 
 SCHEMA = {
     "type": "object",
@@ -222,14 +223,22 @@ def test_bans_bias_and_penalties_equal_the_reference():
     torch.testing.assert_close(got, want)
 
 
-def test_bitmask_unpacking_equals_a_bit_by_bit_reading():
-    g = torch.Generator().manual_seed(1)
-    vocab = 70
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), generator=g, dtype=torch.int64).to(torch.int32)
-    allowed = unpack_bitmask(bitmask, vocab)
-    for r in range(3):
+@pytest.mark.parametrize("vocab, words", [(70, 3), (96, 3), (100, 3)])  # a tail; exact; tokens past the mask
+def test_bitmask_application_equals_a_bit_by_bit_reading(vocab, words):
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1, 0], bitmask[2, 1] = 0, -1  # the fast paths: nothing allowed, everything allowed
+    want = torch.randn(5, vocab, generator=g)
+    logits = want.clone()
+    rows = torch.tensor([4, 0, 2])
+    for i, r in enumerate(rows.tolist()):
         for t in range(vocab):
-            assert bool(allowed[r, t]) == bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+            if not (t // 32 < words and (int(bitmask[i, t // 32]) >> (t % 32)) & 1):
+                want[r, t] = float("-inf")
+    for apply in (sampling.apply_token_bitmask, sampling.apply_token_bitmask_cpu):
+        got = logits.clone()
+        apply(got, rows, bitmask)
+        assert torch.equal(got, want), apply.__name__
 
 
 def test_min_p_penalties_bias_and_bad_words_end_to_end(llm):

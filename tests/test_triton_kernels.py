@@ -121,3 +121,20 @@ def test_norms_rotary_and_silu_and_mul():
     gate_up = torch.randn(13, 2 * 300)
     torch.testing.assert_close(triton_elementwise.silu_and_mul_triton(gate_up), linear.silu_and_mul(gate_up),
                                atol=2e-5, rtol=2e-5)
+
+
+def test_token_bitmask():
+    """Exactly the tokens whose bit is clear get -inf, in the rows named (a vocabulary
+    that ends inside a word, the all-clear and all-set words)."""
+    from vlmserve.kernels import sampling
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 1500
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 47), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[0, 3], bitmask[1, 5] = 0, -1
+    logits = torch.randn(6, vocab, generator=g)
+    rows = torch.tensor([5, 1, 2])
+    want, got = logits.clone(), logits.clone()
+    sampling.apply_token_bitmask(want, rows, bitmask)
+    triton_elementwise.apply_token_bitmask_triton(got, rows, bitmask)
+    assert torch.equal(got, want)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve.core.sched_output import LogprobsEntry
+from vlmserve.kernels import ops
 
 NEG_INF = float("-inf")
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass
@@ -69,8 +69,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
 def apply_logit_rules(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Grammar, bans, logit_bias and penalties, in that order (in place where it can)."""
     if batch.grammar is not None:
-        rows, bitmask = batch.grammar
-        logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), NEG_INF)
+        ops.apply_token_bitmask(logits, *batch.grammar)
     if batch.banned is not None:
         logits[batch.banned] = NEG_INF
     if batch.logit_bias is not None:
@@ -79,12 +78,6 @@ def apply_logit_rules(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     if batch.penalties is not None:
         logits = _apply_penalties(logits, batch.penalties)
     return logits
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 words (bit j of word w = token 32w + j allowed) -> [rows, vocab] bool."""
-    bits = _BITS.to(bitmask.device)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

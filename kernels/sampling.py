@@ -1,0 +1,30 @@
+"""A grammar's token bitmask applied to logits in place (int32 words: bit j of word w
+allows token 32w + j; every other token gets -inf): unpacked with torch anywhere, one
+pass in C++ on the CPU (kernels/csrc/sampling.cpp), a Triton kernel on GPUs."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.registry import register
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, words] int32 -> [n, vocab] bool (tokens past the mask: not allowed)."""
+    bits = ((bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1).bool().flatten(1)[:, :vocab]
+    if bits.shape[1] < vocab:
+        bits = torch.cat([bits, bits.new_zeros(bits.shape[0], vocab - bits.shape[1])], dim=1)
+    return bits
+
+
+@register("apply_token_bitmask")
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    logits[rows] = logits[rows].masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+
+
+@register("apply_token_bitmask", "cpu", available=cpu_extension.available)
+def apply_token_bitmask_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    torch.ops.vlmserve_cpu.apply_token_bitmask(logits, rows, bitmask)
