@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from vlmserve.engine.llm_engine import resolve_model_path
+    from vlmserve.engine.model_source import resolve_model_path
 
     model = resolve_model_path(args.model)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,8 @@ def main() -> None:
         img.save(HERE / name, quality=95) if fmt == "jpg" else img.save(HERE / name)
         for qa in shapes.all_questions(scene, rng):
             items.append({"file": name, "kind": qa.kind, "question": qa.question, "answer": qa.answer})
+        items.append({"file": name, "kind": "json", "question": shapes.JSON_QUESTION,
+                      "answer": shapes.json_description(scene)})
     video = shapes.random_video(rng, num_frames=6, side=240)
     (HERE / "moving.mp4").write_bytes(shapes.encode_mp4(video.frames))
     qa = video.question

@@ -117,7 +117,7 @@ def test_low_detail_never_raises_the_models_own_cap():
     """The shipped model caps pictures below detail=low's budget: "low" must not enlarge them."""
     from transformers import AutoConfig
 
-    from vlmserve.engine.llm_engine import resolve_model_path
+    from vlmserve.engine.model_source import resolve_model_path
 
     path = resolve_model_path(None)
     shipped = MultiModalProcessor(path, AutoConfig.from_pretrained(path), MediaLoader())

@@ -3,14 +3,16 @@ import torch
 from vlmserve.worker.sampler import SamplingBatch, sample
 
 
-def batch(rows, temperature=1.0, top_k=0, top_p=1.0, gens=None, banned=None, logprobs=None):
+def batch(rows, temperature=1.0, top_k=0, top_p=1.0, gens=None, banned=None, logprobs=None, min_p=0.0):
+    pairs = [(r, t) for r, ids in enumerate(banned or []) for t in ids]
     return SamplingBatch(
         temperature=torch.full((rows,), float(temperature)),
         top_k=torch.full((rows,), top_k, dtype=torch.long),
         top_p=torch.full((rows,), float(top_p)),
+        min_p=torch.full((rows,), float(min_p)),
         generators=gens or [torch.Generator().manual_seed(i) for i in range(rows)],
-        banned_token_ids=banned or [[] for _ in range(rows)],
         num_logprobs=logprobs or [None] * rows,
+        banned=tuple(torch.tensor(x) for x in zip(*pairs)) if pairs else None,
     )
 
 
@@ -31,6 +33,13 @@ def test_plain_sampling_follows_the_distribution():
     gen = torch.Generator().manual_seed(0)
     freq = frequencies(batch(4000, gens=[gen] * 4000))
     assert torch.allclose(freq, LOGITS.exp(), atol=0.03)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top():
+    gen = torch.Generator().manual_seed(2)
+    # min_p 0.25: tokens under 0.25 * 0.5 = 0.125 go (2, 3, 4); 0 and 1 keep their ratio
+    freq = frequencies(batch(4000, min_p=0.25, gens=[gen] * 4000))
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.5 / 0.8) < 0.03
 
 
 def test_top_k_and_top_p_filter():

@@ -168,13 +168,13 @@ def test_a_request_waits_for_its_grammar_while_others_run():
     compiling.set_exception(ValueError("boom"))
     failed = scheduler.admit_compiled()
     assert failed and failed[0][0] == "g" and "boom" in failed[0][1]
-    assert "g" not in scheduler.requests and not scheduler.waiting_for_grammar
+    assert "g" not in scheduler.requests and not scheduler.has_grammars_compiling()
     ready: Future = Future()
     again = Request("g2", [1, 2, 3], SamplingParams(), eos_token_id=0)
     again.grammar = RequestGrammar(ready, again.output_token_ids, [0])
     scheduler.add_request(again)
     scheduler.finish_requests("g2", RequestStatus.FINISHED_ABORTED)  # aborted while compiling
-    assert not scheduler.waiting_for_grammar and "g2" not in scheduler.requests
+    assert not scheduler.has_grammars_compiling() and "g2" not in scheduler.requests
 
 
 # -- the sampling parameters against a straightforward computation -------------------------------

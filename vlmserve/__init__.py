@@ -12,9 +12,9 @@ if os.environ.get("VLMSERVE_USE_TRITON") == "1":
 from vlmserve.engine.args import EngineArgs
 from vlmserve.entrypoints.llm import LLM
 from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

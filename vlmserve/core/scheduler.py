@@ -153,6 +153,9 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.running or self.waiting or self.waiting_for_grammar)
 
+    def has_grammars_compiling(self) -> bool:
+        return bool(self.waiting_for_grammar)
+
     def admit_compiled(self) -> list[tuple[str, str]]:
         """Requests whose grammar is ready join the waiting queue; those whose grammar
         failed to compile end with an error: (request id, why) for each."""

@@ -18,8 +18,14 @@ class EngineArgs:
     """Every field is also a flag of `vlmserve serve`, `ui` and `caption` (cli.py makes them
     from the fields): its type, its default, and its comment as the help."""
 
-    # checkpoint folder (default: the shipped shapes model)
+    # a checkpoint folder or a hub id (org/name, from the Hugging Face cache; fetched unless
+    # HF_HUB_OFFLINE is set); default: the shipped shapes model
     model: str | None = None
+    revision: str | None = None  # of a hub id: a branch, tag or commit
+    # auto: the sampling settings of the checkpoint's generation_config.json are the
+    # defaults of requests that leave them unset; vlmserve: vlmserve's own defaults
+    generation_config: str = "auto"
+    download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HOME's)
     # float32, bfloat16, float16, or auto: the checkpoint's, half precision as bf16 where
     # this CPU has fast bf16 matmuls, else fp32
     dtype: str = "auto"

@@ -76,7 +76,7 @@ class EngineCore:
             failed = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=why)
                       for rid, why in self.scheduler.admit_compiled()]
             scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.waiting_for_grammar:
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.has_grammars_compiling():
             time.sleep(0.001)  # only grammars compiling: leave the CPU to their thread
         try:
             with self.timer.phase("grammar bitmask"):

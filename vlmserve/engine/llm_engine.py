@@ -13,11 +13,12 @@ import torch
 from transformers import AutoConfig
 
 from vlmserve.core.kv_cache_utils import BlockHasher
-from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.args import ConfigError, EngineArgs
 from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
+from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.engine.stats import EngineStats
@@ -30,17 +31,6 @@ from vlmserve.sampling_params import SamplingParams
 from vlmserve.structured_output.grammar import build_grammar
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "shapes-qwen3.5"
-
-
-def resolve_model_path(model: str | None) -> str:
-    """A checkpoint folder; None means the small shapes model shipped with vlmserve."""
-    path = DEFAULT_MODEL if model is None else Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model!r} is not a checkpoint folder (no config.json); models are not downloaded")
-    return str(path)
-
 
 @dataclass
 class ProcessedRequest:
@@ -59,7 +49,13 @@ class LLMEngine:
         start = time.perf_counter()
         args.check_device()
         self.args = args
-        self.model_path = resolve_model_path(args.model)
+        self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        if args.generation_config not in ("auto", "vlmserve"):
+            raise ConfigError(f"--generation-config {args.generation_config}: auto or vlmserve")
+        self.sampling_defaults = sampling_defaults(self.model_path) if args.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the checkpoint's generation_config.json: %s "
+                        "(--generation-config vlmserve ignores them)", self.sampling_defaults)
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.hf_config = hf_config
         media_loader = MediaLoader(args.media_limits())
@@ -141,7 +137,7 @@ class LLMEngine:
     ) -> ProcessedRequest:
         """Validates and processes a request (media included); raises ValueError on bad
         input. Thread-safe and independent of the step loop: run it in a worker pool."""
-        params = self.check_params(params or SamplingParams())
+        params = self.check_params(params or self.default_sampling_params())
         arrival_time = arrival_time or time.time()
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
@@ -155,6 +151,10 @@ class LLMEngine:
         template (ValueError for messages it cannot take)."""
         return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs,
                            tools)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vlmserve's defaults under the checkpoint's own (generation_config.json)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """The model's checks of a request's sampling parameters (ParamError if bad): ids in

@@ -28,6 +28,11 @@ class LLM:
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(self.engine.args.processing_threads, thread_name_prefix="vlmserve-media")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate/chat use when given no sampling params: vlmserve's defaults
+        under the checkpoint's generation_config.json (unless generation_config="vlmserve")."""
+        return self.engine.default_sampling_params()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -61,7 +66,7 @@ class LLM:
         the batch as soon as their pictures are ready. A request that cannot be processed
         raises its error, and the others are aborted."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine

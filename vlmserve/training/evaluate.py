@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from vlmserve.training import shapes
 
-HELD_OUT_SEED = "held-out-2026"  # training uses "<seed>-<step>", "<seed>-vision-<step>", "validation-<seed>"
+HELD_OUT_SEED = "held-out-2026"
+MAX_TOKENS = 256  # a JSON description of three shapes is about 180 tokens  # training uses "<seed>-<step>", "<seed>-vision-<step>", "validation-<seed>"
 
 
 @dataclass
@@ -38,6 +39,7 @@ def held_out_set(pictures: int, videos: int, seed: str = HELD_OUT_SEED) -> list[
         data = shapes.encode_image(shapes.render(scene, rng), rng)
         for qa in shapes.all_questions(scene, rng):
             items.append(Item(qa.kind, data, "image", qa.question, qa.answer, i))
+        items.append(Item("json", data, "image", shapes.JSON_QUESTION, shapes.json_description(scene), i))
     for i in range(videos):
         video = shapes.random_video(rng)
         media = shapes.encode_mp4(video.frames) if i % 2 == 0 else video.frames  # MP4 or a list of frames
@@ -70,7 +72,7 @@ def run_vlmserve(model: str | None, items: list[Item], dtype: str) -> tuple[list
 
     llm = LLM(model, dtype=dtype)
     start = time.time()
-    outs = llm.chat([chat_for(i) for i in items], SamplingParams(temperature=0, max_tokens=48))
+    outs = llm.chat([chat_for(i) for i in items], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs], time.time() - start
 
 
@@ -90,7 +92,7 @@ def run_transformers(model_path: str, items: list[Item]) -> list[str]:
         )
         inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(item.media)).convert("RGB")], return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=48, do_sample=False)
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
         answers.append(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
     return answers
 
@@ -106,7 +108,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from vlmserve.engine.llm_engine import resolve_model_path
+    from vlmserve.engine.model_source import resolve_model_path
 
     model = resolve_model_path(args.model)
     items = held_out_set(args.pictures, args.videos, args.seed)

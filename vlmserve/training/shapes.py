@@ -62,9 +62,22 @@ def caption(scene: Scene) -> str:
     return ", ".join(parts[:-1]) + " and " + parts[-1] + "."
 
 
+JSON_QUESTION = "Describe the image as JSON."
+
+
+def json_description(scene: Scene) -> str:
+    """The caption's content as compact JSON: {"count", "shapes": [{"color", "shape",
+    "where"}]}, shapes in the caption's order."""
+    import json
+
+    shapes = [{"color": s.color, "shape": s.kind, "where": POSITIONS[s.cell]}
+              for s in sorted(scene.shapes, key=lambda s: s.cell)]
+    return json.dumps({"count": len(shapes), "shapes": shapes}, separators=(",", ":"))
+
+
 @dataclass
 class QA:
-    kind: str  # caption | count | color | exists | where | direction
+    kind: str  # caption | json | count | color | exists | where | direction
     question: str
     answer: str
     cells: tuple[int, ...] = ()  # grid cells of the objects the answer is about, in the order it names them

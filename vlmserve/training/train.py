@@ -58,6 +58,7 @@ logger = logging.getLogger("vlmserve.train")
 BATCH_KINDS = {"caption": 0.35, "short": 0.55, "video": 0.10}
 LOOKUP_BATCH_KINDS = {"caption": 0.10, "short": 0.80, "video": 0.10}
 CAPTION_BATCH_KINDS = {"caption": 0.60, "short": 0.30, "video": 0.10}
+JSON_BATCH_KINDS = {"json": 0.50, "caption": 0.20, "short": 0.20, "video": 0.10}
 SHORT_QUESTIONS_PER_PICTURE = 5  # all that question_set gives for 3 objects
 LOOKUP_LAYERS = (1, 3)  # the first two full-attention layers; head 0 of each learns to find the object asked about
 
@@ -68,6 +69,9 @@ def sample_image_qas(rng: random.Random, kind: str, per_picture: int) -> tuple[o
     image = shapes.through_file(shapes.render(scene, rng), rng)
     if kind == "caption":
         return image, [shapes.all_questions(scene, rng)[0]]
+    if kind == "json":
+        cells = tuple(sorted(s.cell for s in scene.shapes))
+        return image, [shapes.QA("json", shapes.JSON_QUESTION, shapes.json_description(scene), cells)]
     return image, shapes.question_set(scene, rng, per_picture)
 
 
@@ -152,9 +156,30 @@ def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shape
                 sizes = [i for i in range(start, end) if ids[i] in size_words]
                 assert len(sizes) == len(qa.cells)
                 targets += [(row, i - 1, cell) for i, cell in zip(sizes, qa.cells)]
+            elif qa.kind == "json":
+                targets += [(row, i - 1, cell) for i, cell in json_value_positions(tokenizer, ids, start, end, qa.cells)]
             elif qa.cells:
                 targets.append((row, start - 1, qa.cells[0]))
     return labels, torch.tensor(targets, dtype=torch.long).reshape(-1, 3)
+
+
+def json_value_positions(tokenizer, ids: list[int], start: int, end: int,
+                         cells: tuple[int, ...]) -> list[tuple[int, int]]:
+    """In a JSON description, the first token of each shape's colour and shape value, with
+    that shape's cell: where the model has to look at the picture."""
+    text, ends = "", []
+    for i in range(start, end):  # the text's length after each token
+        text = tokenizer.decode(ids[start : i + 1])
+        ends.append(len(text))
+    found = []
+    for key in ('"color":"', '"shape":"'):
+        at = -1
+        for cell in cells:
+            at = text.index(key, at + 1)
+            value = at + len(key)
+            token = next(i for i, n in enumerate(ends) if n > value)
+            found.append((start + token, cell))
+    return found
 
 
 class BatchStream(torch.utils.data.IterableDataset):
@@ -354,6 +379,10 @@ def main() -> None:
     ap.add_argument("--lookup-lr", type=float, default=5e-4)
     ap.add_argument("--caption-steps", type=int, default=200)
     ap.add_argument("--caption-lr", type=float, default=3e-4)
+    ap.add_argument("--json-steps", type=int, default=300)
+    ap.add_argument("--json-lr", type=float, default=3e-4)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="an exported model to start from, at the JSON phase (how the shipped model got it)")
     ap.add_argument("--lookup-weight", type=float, default=1.0,
                     help="weight of the look-up attention loss (0: answers only)")
     ap.add_argument("--seed", type=int, default=1)
@@ -385,6 +414,16 @@ def main() -> None:
         model.load_state_dict(state["model"])
         head.load_state_dict(state["head"])
         logger.info("resumed: %s phase, step %d", state["phase"], state["step"])
+    elif args.init_from is not None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(args.init_from / "model.safetensors"))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+        tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
+        if unexpected or set(missing) - tied:
+            raise ValueError(f"{args.init_from} does not fit this recipe: missing {missing}, unexpected {unexpected}")
+        state.update(phase="json", step=0)
+        logger.info("starting from %s at the JSON phase", args.init_from)
     (args.out / "run.json").write_text(json.dumps(vars(args), default=str, indent=1))
     logger.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
 
@@ -417,10 +456,13 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
     phases = [TextPhase("vlm", args.steps, args.lr, args.warmup, BATCH_KINDS),
               TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS),
-              TextPhase("caption", args.caption_steps, args.caption_lr, 20, CAPTION_BATCH_KINDS)]
+              TextPhase("caption", args.caption_steps, args.caption_lr, 20, CAPTION_BATCH_KINDS),
+              TextPhase("json", args.json_steps, args.json_lr, 50, JSON_BATCH_KINDS)]
     # a fixed validation set from a seed training never uses
     val_rng = random.Random(f"validation-{args.seed}")
     val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
+    if args.json_steps:  # its own seed: the other five batches stay those of earlier runs
+        val.append(make_batch(processor, random.Random(f"validation-json-{args.seed}"), "json", args.val_size))
     probe = None
     if args.lookup_weight > 0:
         # the probe reads attention probabilities; the (frozen) tower keeps sdpa

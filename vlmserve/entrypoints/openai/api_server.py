@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmserve import __version__
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
+from vlmserve.engine.model_source import served_name
 from vlmserve.entrypoints.openai import tool_calls
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
 from vlmserve.metrics import CONTENT_TYPE, EngineMetrics
@@ -139,10 +140,9 @@ class OpenAIServer:
             raise OpenAIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
 
-    @staticmethod
-    def _params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None, default_max: int | None):
+    def _params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, default_max: int | None):
         try:
-            return req.sampling_params(max_tokens, logprobs, default_max=default_max)
+            return req.sampling_params(max_tokens, logprobs, default_max, self.engine.engine.sampling_defaults)
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
 
@@ -400,14 +400,7 @@ def run_server(args) -> None:
     from vlmserve.entrypoints.cli import engine_args_from
 
     engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
-    name = args.served_model_name or default_served_name(engine.engine.model_path)
+    name = args.served_model_name or served_name(args.model, engine.engine.model_path)
     server = OpenAIServer(engine, name, api_key=args.api_key)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args)
-
-
-def default_served_name(model_path: str) -> str:
-    """The name a model is served under unless told otherwise: its folder's."""
-    from pathlib import Path
-
-    return Path(model_path).name

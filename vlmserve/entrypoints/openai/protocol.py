@@ -133,7 +133,15 @@ class SamplingRequest(BaseModel):
             raise ParamError(sorted(found)[1], f"ask for one structured output at a time, got {sorted(found)}")
         return next(iter(found.values()), None)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's params; a field it leaves unset takes the checkpoint's default
+        (`defaults`, from generation_config.json), else vlmserve's."""
+        defaults = defaults or {}
+
+        def pick(value, name, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for key, value in (self.logit_bias or {}).items():
@@ -142,11 +150,11 @@ class SamplingRequest(BaseModel):
             bias[int(key)] = value
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
             seed=self.seed,
-            max_tokens=default_max if max_tokens is None else max_tokens,
+            max_tokens=pick(max_tokens, "max_tokens", default_max),
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -154,9 +162,9 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             logit_bias=bias,
-            min_p=self.min_p or 0.0,
+            min_p=pick(self.min_p, "min_p", 0.0),
             bad_words=list(self.bad_words or []),
             structured_outputs=self.structured_outputs_params(),
         )

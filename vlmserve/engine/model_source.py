@@ -1,0 +1,90 @@
+"""Where a model's files are: the shipped model, a local checkpoint folder, or a hub id
+found in the Hugging Face cache (or downloaded into it: only the files the engine reads)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from vlmserve.engine.args import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "shapes-qwen3.5"
+# what the engine reads from a checkpoint: configs, weights, tokenizer, processor, template
+ENGINE_FILES = [
+    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+    "special_tokens_map.json", "added_tokens.json", "preprocessor_config.json",
+    "video_preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(model: str) -> bool:
+    return bool(_HUB_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The checkpoint folder of `model`: None is the shipped model; a folder is used as
+    it is; `org/name` is looked up in the Hugging Face cache (HF_HOME, or download_dir)
+    and fetched unless HF_HUB_OFFLINE is set. ConfigError (one line: what is missing and
+    how to get it) when there is none."""
+    if model is None:
+        return str(SHIPPED_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {model}: the folder has no config.json; point it at a checkpoint folder "
+                              f"(config.json, *.safetensors, tokenizer and processor files) or a hub id (org/name)")
+        return str(path)
+    if not is_hub_id(model):
+        raise ConfigError(f"--model {model}: no such folder, and not a hub id (org/name)")
+    return _from_hub(model, revision, download_dir)
+
+
+def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> str:
+    from huggingface_hub import constants, snapshot_download
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    where = download_dir or constants.HF_HUB_CACHE
+    try:
+        path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=ENGINE_FILES,
+                                 local_files_only=offline)
+    except Exception as e:  # not cached offline, unknown repo or revision, gated, no network
+        at = f"@{revision}" if revision else ""
+        if offline:
+            raise ConfigError(f"--model {repo_id}{at}: not in the Hugging Face cache at {where} and HF_HUB_OFFLINE is "
+                              f"set; fetch it where there is network (huggingface-cli download {repo_id}"
+                              f"{f' --revision {revision}' if revision else ''}) or pass its folder") from None
+        raise ConfigError(f"--model {repo_id}{at}: could not be fetched from the Hugging Face hub into {where} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"--model {repo_id}: the repository has no config.json: not a transformers checkpoint")
+    logger.info("model %s%s from %s", repo_id, f"@{revision}" if revision else "", path)
+    return path
+
+
+def served_name(model: str | None, path: str) -> str:
+    """The name a model is served under unless told otherwise: a hub id as it was given,
+    else the folder's name."""
+    return model if model is not None and is_hub_id(model) else Path(path).name
+
+
+# generation_config.json's sampling keys -> SamplingParams fields
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(path: str) -> dict[str, float | int]:
+    """The sampling settings a checkpoint ships in generation_config.json (only those it
+    sets), as SamplingParams fields: the defaults of requests that leave them unset."""
+    import json
+
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    config = json.loads(file.read_text())
+    return {field: config[key] for key, field in _SAMPLING_KEYS.items() if config.get(key) is not None}
