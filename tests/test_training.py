@@ -20,7 +20,7 @@ def test_training_stops_resumes_and_exports(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "vlmserve.training.train", "--out", str(out), "--vision-steps", "60",
            "--vision-batch-size", "2", "--steps", "4", "--batch-size", "2", "--lookup-steps", "2",
-           "--caption-steps", "2", "--warmup", "2", "--val-size", "2", "--threads", "1"]
+           "--caption-steps", "2", "--json-steps", "2", "--warmup", "2", "--val-size", "2", "--threads", "1"]
     first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     log = []
     deadline = time.time() + 300
@@ -37,10 +37,10 @@ def test_training_stops_resumes_and_exports(tmp_path):
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
     assert "resumed: vision phase, step 2" in second.stderr  # not from scratch
-    for phase in ("vlm", "lookup", "caption"):
+    for phase in ("vlm", "lookup", "caption", "json"):
         assert f"{phase} step" in second.stderr and "exact match" in second.stderr
     lines = (out / "train_log.jsonl").read_text().splitlines()
-    assert len(lines) == 60 + 4 + 2 + 2  # every step once, across the interruption
+    assert len(lines) == 60 + 4 + 2 + 2 + 2  # every step once, across the interruption
 
     # the exported model is a real checkpoint: transformers and vlmserve answer alike
     import torch

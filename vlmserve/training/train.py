@@ -6,7 +6,7 @@ Resumable: the state (weights, optimizer, step) is saved every few minutes and o
 Ctrl-C; rerunning the same command continues from it. Batches are a pure function of
 (seed, phase, step), so a resumed run sees exactly the data an uninterrupted one would.
 
-The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Four phases:
+The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Five phases:
 1. Vision. The vision tower (and its merger) learns to see first, with dense labels the
    generator gives for free: a linear head names, from each cell's token, what is in
    the cell (empty, or one of 3 shapes x 6 colours x 2 sizes) and which cell it is, so
@@ -31,6 +31,9 @@ The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Four ph
    batches, for the questions that name one object.
 4. Captions. A last short cycle with mostly captions, which have the most to get
    right (up to three objects, each size, colour, shape and place).
+5. JSON (`--json-steps`, off by default; `--init-from` an exported model starts here):
+   the caption's content as compact JSON, with look-up targets at each shape's colour
+   and shape value. The shipped model got it in four short runs (README).
 AdamW, warm-up then cosine decay, in every phase; fp32 by default (`--bf16` for CPUs with
 native bf16 matmul: on AVX2-only CPUs torch's bf16 gemm is ~50x slower than fp32).
 """
@@ -379,7 +382,7 @@ def main() -> None:
     ap.add_argument("--lookup-lr", type=float, default=5e-4)
     ap.add_argument("--caption-steps", type=int, default=200)
     ap.add_argument("--caption-lr", type=float, default=3e-4)
-    ap.add_argument("--json-steps", type=int, default=300)
+    ap.add_argument("--json-steps", type=int, default=0, help="phase 5 (JSON answers); the shipped model: see README")
     ap.add_argument("--json-lr", type=float, default=3e-4)
     ap.add_argument("--init-from", type=Path, default=None,
                     help="an exported model to start from, at the JSON phase (how the shipped model got it)")
