@@ -109,6 +109,3 @@ class StructuredOutputManager:
         bitmask = self._bitmask[: len(grammars)]
         self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], bitmask)
         return GrammarBitmask([rid for rid, _ in grammars], bitmask)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
