@@ -69,7 +69,7 @@ class Server:
         values = [float(m.group(1)) for m in re.finditer(pattern, text, re.M)]
         return sum(values)
 
-    def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:  # beyond the server's 30 s drain
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=timeout)

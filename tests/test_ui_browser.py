@@ -408,5 +408,6 @@ def test_stop_really_aborts_a_long_answer(browser, tmp_path):
         text = httpx.get(s.base + "/metrics").text
         assert re.search(r'request_success_total\{finished_reason="abort"\} [1-9]', text)
         assert 0 < len(partial)
+        page.page.close()  # the browser's connections end before the server drains
     finally:
         s.stop()
