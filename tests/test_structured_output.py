@@ -26,7 +26,7 @@ from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules,
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "enum": ["ada", "bob", "cy"]},  # free text with maxLength: see the closing note
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
         "count": {"type": "integer", "minimum": 0, "maximum": 999},
         "kind": {"type": "string", "enum": ["circle", "square", "triangle"]},
         "score": {"type": "number", "minimum": 0, "maximum": 1},
@@ -57,7 +57,6 @@ def assert_nothing_left(llm: LLM) -> None:
 
 
 def test_fifty_sampled_answers_to_a_nested_schema_all_validate(llm):
-    # seeded: a run is the same every time (see the closing note on maxLength and broken UTF-8)
     params = [SamplingParams(temperature=1.0, max_tokens=400, seed=i, structured_outputs=constrained(json=SCHEMA))
               for i in range(50)]
     prompts = [f"Record number {i}:" for i in range(50)]
@@ -70,6 +69,30 @@ def test_fifty_sampled_answers_to_a_nested_schema_all_validate(llm):
     free = llm.generate(prompts[:8], SamplingParams(temperature=1.0, max_tokens=60))
     assert not any(_parses(o.outputs[0].text) for o in free)  # the model alone writes no JSON
     assert_nothing_left(llm)
+
+
+def test_json_strings_admit_only_characters_a_decoder_keeps():
+    """xgrammar's own string classes admit UTF-8-encoded surrogates, which decode to three
+    U+FFFD each (a maxLength string then comes out too long), and raw control characters:
+    the rewritten grammar admits neither, in bounded and unbounded strings alike."""
+    import xgrammar as xgr
+    from vlmserve.structured_output.grammar import json_schema_grammar
+    pieces = {"a": b"a", "kana": "\u3042".encode(), "emoji": "\U0001F600".encode(), "c1": b"\xc2\x80",
+              "surrogate": b"\xed\xa0\x80", "tab": b"\t", "lone_continuation": b"\x80"}
+    vocab = [b"<eos>", b'{"s":"', b'{"u":"', b'"}'] + list(pieces.values())
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[0])
+    compiler = xgr.GrammarCompiler(info)
+    for opening, schema in ((1, {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}},
+                                 "required": ["s"], "additionalProperties": False}),
+                            (2, {"type": "object", "properties": {"u": {"type": "string"}},
+                                 "required": ["u"], "additionalProperties": False})):
+        compiled = compiler.compile_grammar(json_schema_grammar(schema))
+        admitted = set()
+        for i, name in enumerate(pieces):
+            matcher = xgr.GrammarMatcher(compiled)
+            if all(matcher.accept_token(t) for t in (opening, 4 + i, 3, 0)):
+                admitted.add(name)
+        assert admitted == {"a", "kana", "emoji", "c1"}, schema
 
 
 def _parses(text: str) -> bool:
@@ -117,11 +140,12 @@ def test_mixed_batch_pictures_n_stop_strings_cutoffs_prefix_hits_and_preemption(
     free = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
     prompts = [prompt, prompt, "plain text", prompt, prompt, "plain"]
     params = [json_params, json_params, free, cut, stop, free]
+    llm.generate(prompt, SamplingParams(max_tokens=1))  # the picture's blocks cached before the batch
     outs = llm.generate(prompts, params)
     for o in outs[0].outputs + outs[1].outputs:
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), SCHEMA)
-    assert outs[1].num_cached_tokens > 0
+    assert outs[0].num_cached_tokens > 0 and outs[1].num_cached_tokens > 0
     assert outs[3].outputs[0].finish_reason == "length" and len(outs[3].outputs[0].token_ids) == 5
     assert outs[4].outputs[0].finish_reason == "stop" and '"kind"' not in outs[4].outputs[0].text
     assert outs[4].outputs[0].text.startswith('{"name":')

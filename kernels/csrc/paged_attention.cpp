@@ -45,6 +45,7 @@ namespace {
 
 constexpr int kTileTokens = 16;  // query tokens per work item
 constexpr int kRows = 4;         // rows computed together (register tile)
+constexpr int kReadAheadRows = 12;
 // the running maximum of a row before any key (exp_approx of anything below -87 is 0)
 constexpr float kNoScore = -1e30f;
 
@@ -60,7 +61,10 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, p_pairs;  // bf16 pairs, for the AVX512-BF16 path
   std::vector<int32_t> lo, hi;  // per row: the visible key positions [lo, hi]
   void reserve(int64_t rows, int64_t head_dim, int64_t block_size) {
-    q.assign(rows * head_dim, 0.f);
+    // GCC's unrolled loop over the rows' queries (block_scores, head sizes not known at
+    // compile time) loads up to 12 rows past the current four: rows of zeros stand there,
+    // so the loads never reach past the allocation (they did: segfaults at an arena's end)
+    q.assign((rows + kReadAheadRows) * head_dim, 0.f);
     q_pairs.assign(rows * head_dim / 2, 0u);
     p_pairs.resize(kRows * block_size / 2);
     o.assign(rows * head_dim, 0.f);

@@ -25,8 +25,7 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
             # the schema as written: no property or item it does not declare (OpenAI's strict)
             return json_schema_grammar(spec.json)
         if spec.json_object:
-            return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False, separators=SEPARATORS,
-                                                strict_mode=False)
+            return json_schema_grammar({"type": "object"}, strict=False)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
         if spec.choice is not None:
@@ -40,20 +39,23 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         raise ParamError("structured_outputs", f"the {_NAMES[kind]} is not valid: {reason}") from None
 
 
-def json_schema_grammar(schema: dict | str) -> xgr.Grammar:
-    """A JSON schema's grammar, compact. xgrammar 0.2.8 writes the characters of a string
-    with a length bound as [^"\\\r\n], which lets raw control characters through (JSON
-    forbids them; parsers refuse the answer): they are excluded here, as in its own
-    unbounded strings."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=True)
+def json_schema_grammar(schema: dict | str, strict: bool = True) -> xgr.Grammar:
+    """A JSON schema's grammar, compact, whose strings decode to what it counted. xgrammar
+    0.2.8 writes a string's characters as negated classes that admit UTF-8-encoded
+    surrogates (U+D800-U+DFFF: not characters; a decoder makes each three U+FFFD, so a
+    `maxLength` string comes out three times too long), and, under a length bound, raw
+    control characters (JSON forbids them). Both classes are rewritten to JSON's
+    characters minus the surrogates."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=strict)
     text = str(grammar)
-    if _BOUNDED_CHARS not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHARS, _JSON_CHARS))
+    rewritten = text
+    for chars in _XGRAMMAR_STRING_CHARS:
+        rewritten = rewritten.replace(chars, _JSON_CHARS)
+    return grammar if rewritten == text else xgr.Grammar.from_ebnf(rewritten)
 
 
-_BOUNDED_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\0-\x1f\"\\]'
+_XGRAMMAR_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_CHARS = r'[^\0-\x1f\"\\\ud800-\udfff]'
 _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
           "grammar": "grammar"}
