@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from vlmserve.models.context import ForwardContext
+from vlmserve.models.context import DeepStackInputs, ForwardContext
 from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -34,8 +34,11 @@ class MRoPEDecoder(nn.Module):
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
         cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
         x = embeds
-        for layer in self.layers:
+        deep = ctx.deepstack
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, ctx)
+            if deep is not None and i < deep.features.shape[1]:
+                x = x.index_add(0, deep.token_index, deep.features[:, i])
         return self.norm(x)
 
 
@@ -63,11 +66,20 @@ class VisionLanguageModel(nn.Module):
         return self.model.language_model.embed_tokens(input_ids)
 
     def embed_multimodal(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
-        """Runs the vision tower once over all given items; one [length, hidden] each."""
+        """Runs the vision tower once over all given items; one [length, hidden] each
+        ([length, levels * hidden] where the tower gives several levels: the encoder cache
+        keeps them all under the item's hash)."""
         device = self.model.language_model.embed_tokens.weight.device
         pixels = torch.cat([f.data["pixel_values"] for f in features]).to(device)
         grids = [tuple(int(x) for x in f.data["grid_thw"]) for f in features]
         return list(self.model.visual(pixels, grids).split([f.length for f in features]))
+
+    def merge_multimodal(self, embeds: torch.Tensor, token_index: torch.Tensor,
+                         mm_embeds: torch.Tensor) -> DeepStackInputs | None:
+        """Puts the items' embeddings (rows of embed_multimodal's outputs) at their
+        placeholder tokens; returns what the forward adds later (none here)."""
+        embeds.index_copy_(0, token_index, mm_embeds.to(embeds.dtype))
+        return None
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model.language_model(embeds, positions, ctx)

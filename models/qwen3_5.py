@@ -1,7 +1,7 @@
 """Qwen3.5: a hybrid language model — Gated DeltaNet layers (causal conv1d + gated delta
 rule, a constant-size recurrent state per request) mixed with gated full-attention
-layers (q/k norms, sigmoid output gate, partial interleaved M-RoPE) — and a
-Qwen3-VL-style vision tower (patch 16, learned position embeddings, 2-D rotary).
+layers (q/k norms, sigmoid output gate, partial interleaved M-RoPE) — and Qwen3-VL's
+vision tower (models/qwen3_vl.py) without DeepStack.
 
 Module names follow the HF checkpoint (`model.visual.*`, `model.language_model.*`);
 q/k/v, gate/up and the four input projections of a DeltaNet layer are fused at load.
@@ -19,84 +19,15 @@ from vlmserve.kernels.gdn import RecurrentMetadata
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (
-    ACTIVATIONS,
     FusedLinear,
     GatedMLP,
     Linear,
     PagedAttention,
     ZeroCenteredRMSNorm,
     mrope_positions,
-    rope_inv_freq,
 )
-from vlmserve.models.vision import VisionAttention, VisionBlock, vision_rotary_cos_sin
+from vlmserve.models.qwen3_vl import VisionTransformer
 from vlmserve.multimodal.inputs import MultiModalFeature
-
-
-# ----------------------------------------------------------------------------- vision
-class VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.linear_fc1 = Linear(dim, hidden)
-        self.linear_fc2 = Linear(hidden, dim)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x):
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-def vision_block(cfg) -> VisionBlock:
-    return VisionBlock(nn.LayerNorm(cfg.hidden_size, eps=1e-6), nn.LayerNorm(cfg.hidden_size, eps=1e-6),
-                       VisionAttention(cfg.hidden_size, cfg.num_heads),
-                       VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
-
-
-class PatchMerger(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.hidden = cfg.hidden_size * cfg.spatial_merge_size**2
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.linear_fc1 = Linear(self.hidden, self.hidden)
-        self.linear_fc2 = Linear(self.hidden, cfg.out_hidden_size)
-
-    def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.hidden))))
-
-
-class VisionTransformer(nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.merge = cfg.spatial_merge_size
-        self.hidden = cfg.hidden_size
-        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
-        # a Conv3d whose kernel equals its stride is a matmul over flattened patches
-        self.patch_embed = Linear(patch_dim, cfg.hidden_size, bias=True)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.grid_side = int(cfg.num_position_embeddings**0.5)
-        theta = (cfg.rope_parameters or {}).get("rope_theta", 10000.0)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.hidden_size // cfg.num_heads // 2, theta), persistent=False)
-        self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
-        self.merger = PatchMerger(cfg)
-
-    def position_embeddings(self, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        """The learned square table, resampled (bilinear, corners aligned) to each grid,
-        in merge-block order like the patches."""
-        side, m = self.grid_side, self.merge
-        table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1).unsqueeze(0)
-        out = []
-        for t, h, w in grid_thw:
-            grid = F.interpolate(table.float(), size=(h, w), mode="bilinear", align_corners=True)[0]  # [C, h, w]
-            grid = grid.permute(1, 2, 0).reshape(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4)
-            out.append(grid.reshape(h * w, -1).repeat(t, 1))
-        return torch.cat(out).to(self.pos_embed.weight.dtype)
-
-    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
-        x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
-        x = x + self.position_embeddings(grid_thw)
-        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq)
-        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, cos, sin, frame_lens)
-        return self.merger(x)
 
 
 # ----------------------------------------------------------------------------- text

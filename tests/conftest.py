@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5
+from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5, build_qwen3_vl
 
 torch.set_num_threads(2)
 
@@ -115,3 +115,14 @@ def qwen35_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_qwen35(qwen35_path):
     return HFReference(qwen35_path)
+
+
+@pytest.fixture(scope="session")
+def qwen3vl_path(tmp_path_factory):
+    """Tiny Qwen3-VL: 4 Qwen3 layers; vision depth 3 with DeepStack levels after blocks 0 and 1."""
+    return str(build_qwen3_vl(tmp_path_factory.mktemp("qwen3vl")))
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3vl(qwen3vl_path):
+    return HFReference(qwen3vl_path)

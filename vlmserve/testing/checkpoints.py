@@ -326,6 +326,77 @@ def build_qwen3_5(
     return path
 
 
+def build_qwen3_vl(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    vision_hidden: int = 32,
+    vision_depth: int = 3,
+    vision_heads: int = 2,
+    vision_intermediate: int | None = None,
+    num_position_embeddings: int = 64,
+    deepstack_indexes: tuple[int, ...] = (0, 1),
+    rope_theta: float = 10000.0,
+    mrope_section: list[int] | None = None,
+    max_pixels: int = 32 * 32 * 36,
+    min_pixels: int = 32 * 32 * 4,
+    vocab_size: int = 512,
+    seed: int = 0,
+    weight_scale: float = 0.4,
+    corpus: list[str] | None = None,
+) -> Path:
+    """A tiny Qwen3-VL (dense): Qwen3 decoder, vision tower with DeepStack levels taken
+    after the given blocks."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
+    freqs = head_dim // 2
+    section = mrope_section or [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            head_dim=head_dim, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": section,
+                             "mrope_interleaved": True},
+            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate or 2 * vision_hidden,
+            num_heads=vision_heads, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+            out_hidden_size=hidden_size, num_position_embeddings=num_position_embeddings,
+            hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=list(deepstack_indexes),
+        ),
+        **media_token_ids(ids),
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    randomize_weights(model, seed, scale=weight_scale)
+    model.save_pretrained(str(path))
+    save_generation_config(path, tokenizer)
+    Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16,
+                                              merge_size=2),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(str(path))
+    return path
+
+
 def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim, intermediate_size,
                     linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads):
     from transformers import Qwen3_5Config

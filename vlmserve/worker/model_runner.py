@@ -119,8 +119,10 @@ class ModelRunner:
         with timer.phase("runner: inputs"):
             step = self._prepare_inputs(so)
             embeds = self.model.embed_input_ids(step.input_ids)
-            self._merge_multimodal_embeddings(step, embeds)
             ctx = self._forward_context(step)
+            mm = self._step_multimodal_embeddings(step)
+            if mm is not None:
+                ctx.deepstack = self.model.merge_multimodal(embeds, *mm)
         with timer.phase("runner: forward"):
             self._copy_states(so.state_restores)
             hidden = self.model.forward(embeds, step.positions, ctx)
@@ -234,8 +236,9 @@ class ModelRunner:
             parts.append(gen.expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
-    def _merge_multimodal_embeddings(self, step: StepInputs, embeds: torch.Tensor) -> None:
-        """Places encoder outputs on exactly the placeholder tokens computed this step."""
+    def _step_multimodal_embeddings(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The encoder outputs of exactly the placeholder tokens computed this step, and
+        where those tokens are in the step; None without any."""
         dest, src = [], []
         token_start = 0
         for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
@@ -249,8 +252,9 @@ class ModelRunner:
                 src.append(out[lo - f.offset : hi - f.offset])
                 dest.append(torch.arange(token_start + lo - c, token_start + hi - c))
             token_start += q
-        if dest:
-            embeds.index_copy_(0, torch.cat(dest).to(self.device), torch.cat(src).to(embeds.device, embeds.dtype))
+        if not dest:
+            return None
+        return torch.cat(dest).to(self.device), torch.cat(src).to(self.device)
 
     def _forward_context(self, step: StepInputs) -> ForwardContext:
         batch = self.input_batch
