@@ -10,6 +10,7 @@ from torch import nn
 
 from vlmserve.models.context import DeepStackInputs, ForwardContext
 from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.moe import load_expert_weight
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -105,6 +106,8 @@ class VisionLanguageModel(nn.Module):
                 continue  # multi-token-prediction head: not used
             name = self.canonical_name(name)
             if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if load_expert_weight(loader, name, tensor):
                 continue
             if ".patch_embed.proj." in name:
                 # the Conv3d patch embedding is loaded as the equivalent Linear

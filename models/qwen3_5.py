@@ -20,12 +20,12 @@ from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (
     FusedLinear,
-    GatedMLP,
     Linear,
     PagedAttention,
     ZeroCenteredRMSNorm,
     mrope_positions,
 )
+from vlmserve.models.moe import feed_forward
 from vlmserve.models.qwen3_vl import VisionTransformer
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, layer_id)
         else:
             self.self_attn = GatedAttention(cfg, layer_id)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = feed_forward(cfg, layer_id)  # dense, or experts with a shared one (Qwen3.5-MoE)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,4 +1,4 @@
-"""Qwen3-VL (dense): a vision tower with learned position embeddings resampled to each
+"""Qwen3-VL, dense and MoE (models/moe.py): a vision tower with learned position embeddings resampled to each
 grid, 2-D rotary and LayerNorm blocks, whose intermediate features at a few blocks
 (DeepStack) are merged like the last ones and added into the outputs of the first
 decoder layers at the pictures' tokens; a Qwen3 decoder (q/k RMSNorm per head) with
@@ -19,7 +19,8 @@ from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from vlmserve.kernels import ops
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import ACTIVATIONS, GatedMLP, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.layers import ACTIVATIONS, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.moe import feed_forward
 from vlmserve.models.vision import VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -134,7 +135,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = feed_forward(cfg, layer_id)  # dense, or experts (Qwen3-VL-MoE)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -46,6 +46,7 @@ class WeightLoader:
         self.params = dict(model.named_parameters())
         self.loaded: set[str] = set()
         self.shards_loaded: dict[str, set[int]] = {}
+        self.pieces_loaded: dict[str, set] = {}
 
     def copy(self, name: str, tensor: torch.Tensor) -> None:
         param = self._param(name)
@@ -66,6 +67,19 @@ class WeightLoader:
         done = self.shards_loaded.setdefault(name, set())
         done.add(index)
         if len(done) == len(sizes):
+            self.loaded.add(name)
+
+    def copy_piece(self, name: str, key, region: tuple, tensor: torch.Tensor, pieces: int) -> None:
+        """Fills param[region] (one of `pieces` parts, named by `key`: an expert's
+        projection, say); the parameter counts as loaded once every part is."""
+        target = self._param(name)[region]
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name} {key}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        done = self.pieces_loaded.setdefault(name, set())
+        done.add(key)
+        if len(done) == pieces:
             self.loaded.add(name)
 
     def _param(self, name: str) -> nn.Parameter:

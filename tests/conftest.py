@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5, build_qwen3_vl
+from vlmserve.testing.checkpoints import Experts, build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5, build_qwen3_vl
 
 torch.set_num_threads(2)
 
@@ -126,3 +126,25 @@ def qwen3vl_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_qwen3vl(qwen3vl_path):
     return HFReference(qwen3vl_path)
+
+
+@pytest.fixture(scope="session")
+def qwen3vlmoe_path(tmp_path_factory):
+    """Tiny Qwen3-VL-MoE: 8 experts, top 2, layer 1 dense; DeepStack as qwen3vl_path."""
+    return str(build_qwen3_vl(tmp_path_factory.mktemp("qwen3vlmoe"), experts=Experts(8, 2, 48, dense_layers=(1,))))
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3vlmoe(qwen3vlmoe_path):
+    return HFReference(qwen3vlmoe_path)
+
+
+@pytest.fixture(scope="session")
+def qwen35moe_path(tmp_path_factory):
+    """Tiny Qwen3.5-MoE: the qwen35_path layers with 8 experts (top 2) and a shared expert."""
+    return str(build_qwen3_5(tmp_path_factory.mktemp("qwen35moe"), experts=Experts(8, 2, 48, shared_intermediate=40)))
+
+
+@pytest.fixture(scope="session")
+def hf_qwen35moe(qwen35moe_path):
+    return HFReference(qwen35moe_path)

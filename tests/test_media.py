@@ -288,7 +288,7 @@ def test_more_images_than_the_limit_is_refused(llm):
     assert llm.chat(_chat(parts[0]), SamplingParams(max_tokens=2))[0].finished
 
 
-@pytest.mark.parametrize("family", ["qwen25", "qwen2vl", "qwen35", "qwen3vl"])
+@pytest.mark.parametrize("family", ["qwen25", "qwen2vl", "qwen35", "qwen3vl", "qwen3vlmoe", "qwen35moe"])
 def test_greedy_output_with_a_video_equals_transformers(family, request, tmp_path):
     path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
     video = tmp_path / "clip.mp4"

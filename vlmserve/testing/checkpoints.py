@@ -5,6 +5,7 @@ the same code as a released checkpoint."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +19,25 @@ SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts feed-forward for the builders below."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    intermediate: int = 48
+    shared_intermediate: int = 0  # Qwen3.5-MoE's shared expert
+    dense_layers: tuple[int, ...] = field(default=())  # Qwen3-VL-MoE's mlp_only_layers
+
+    def text_config(self) -> dict:
+        out = dict(num_experts=self.num_experts, num_experts_per_tok=self.top_k, moe_intermediate_size=self.intermediate)
+        if self.shared_intermediate:
+            out["shared_expert_intermediate_size"] = self.shared_intermediate
+        if self.dense_layers:
+            out["mlp_only_layers"] = list(self.dense_layers)
+        return out
+
 
 def qwen_chat_template(video: str = "<|vision_start|><|video_pad|><|vision_end|>") -> str:
     """Qwen-style: <|im_start|>role\n...<|im_end|>\n; a picture is
@@ -294,21 +314,24 @@ def build_qwen3_5(
     seed: int = 0,
     weight_scale: float = 0.4,
     corpus: list[str] | None = None,
+    experts: Experts | None = None,
+    partial_rotary: float = 0.5,
 ) -> Path:
-    """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers, Qwen3-VL vision tower."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+    """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers (with experts:
+    Qwen3.5-MoE), Qwen3-VL vision tower."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    family = "Qwen3_5Moe" if experts else "Qwen3_5"
+    model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
 
     path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
     config = _qwen3_5_config(len(tokenizer), ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim,
-                             intermediate_size, linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+                             intermediate_size, linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads,
+                             experts, partial_rotary)
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
+    model = model_cls(config)
     randomize_weights(model, seed, scale=weight_scale)
     with torch.no_grad():  # decay rates of a trained model: exp(A_log) in (0, 16)
         for name, p in model.named_parameters():
@@ -343,6 +366,7 @@ def build_qwen3_vl(
     deepstack_indexes: tuple[int, ...] = (0, 1),
     rope_theta: float = 10000.0,
     mrope_section: list[int] | None = None,
+    experts: Experts | None = None,
     max_pixels: int = 32 * 32 * 36,
     min_pixels: int = 32 * 32 * 4,
     vocab_size: int = 512,
@@ -350,21 +374,21 @@ def build_qwen3_vl(
     weight_scale: float = 0.4,
     corpus: list[str] | None = None,
 ) -> Path:
-    """A tiny Qwen3-VL (dense): Qwen3 decoder, vision tower with DeepStack levels taken
-    after the given blocks."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+    """A tiny Qwen3-VL: Qwen3 decoder (with experts: Qwen3-VL-MoE), vision tower with
+    DeepStack levels taken after the given blocks."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    family = "Qwen3VLMoe" if experts else "Qwen3VL"
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
 
     path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
     freqs = head_dim // 2
     section = mrope_section or [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
-    config = Qwen3VLConfig(
+    config = config_cls(
         text_config=dict(
+            **(experts.text_config() if experts else {}),
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
             head_dim=head_dim, max_position_embeddings=4096,
@@ -381,9 +405,9 @@ def build_qwen3_vl(
         **media_token_ids(ids),
         tie_word_embeddings=False,
     )
-    config.architectures = ["Qwen3VLForConditionalGeneration"]
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_cls(config)
     randomize_weights(model, seed, scale=weight_scale)
     model.save_pretrained(str(path))
     save_generation_config(path, tokenizer)
@@ -398,14 +422,16 @@ def build_qwen3_vl(
 
 
 def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim, intermediate_size,
-                    linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads):
-    from transformers import Qwen3_5Config
+                    linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads, experts=None,
+                    partial_rotary=0.5):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    rotary = head_dim // 2  # partial rotary: half of each head
+    rotary = int(head_dim * partial_rotary)
     freqs = rotary // 2
     section = [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
-    config = Qwen3_5Config(
+    config = (Qwen3_5MoeConfig if experts else Qwen3_5Config)(
         text_config=dict(
+            **(experts.text_config() if experts else {}),
             vocab_size=vocab_size,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,
@@ -420,7 +446,7 @@ def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv
             linear_value_head_dim=linear_head_dim,
             linear_conv_kernel_dim=4,
             max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary,
                              "mrope_section": section, "mrope_interleaved": True},
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
