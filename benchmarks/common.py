@@ -91,8 +91,12 @@ def peer_checkpoint(family: str) -> str:
     - qwen2_5_vl: 29M Qwen2.5-VL, text hidden 512, 8 layers, 8 heads / 2 KV heads of 64,
       MLP 1408; vision depth 4, width 256;
     - qwen3_5: a Qwen3.5 hybrid of about that size, 8 layers (Gated DeltaNet x3, then gated
-      attention, twice), attention heads of 64, DeltaNet 4 key / 8 value heads of 64."""
-    from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
+      attention, twice), attention heads of 64, DeltaNet 4 key / 8 value heads of 64;
+    - qwen3_vl: a Qwen3-VL of that size (8 layers, 8 / 2 heads of 64, MLP 1408), vision
+      depth 4 with DeepStack levels after blocks 1 and 2;
+    - qwen3_vl_moe: the same with 16 experts of width 352, top 4, in every layer (as much
+      compute per token as the dense MLP, 4x its weights)."""
+    from vlmserve.testing.checkpoints import Experts, build_qwen2_5_vl, build_qwen3_5, build_qwen3_vl
 
     path = CACHE / f"peer-{family}-v1"
     if (path / "model.safetensors").exists():
@@ -107,6 +111,11 @@ def peer_checkpoint(family: str) -> str:
                       head_dim=64, intermediate_size=1408, linear_heads=(4, 8), linear_head_dim=64,
                       vision_hidden=256, vision_depth=4, vision_heads=4, max_pixels=320 * 320, min_pixels=64 * 64,
                       vocab_size=4096, seed=0)
+    elif family in ("qwen3_vl", "qwen3_vl_moe"):
+        build_qwen3_vl(path, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
+                       intermediate_size=1408, vision_hidden=256, vision_depth=4, vision_heads=4,
+                       deepstack_indexes=(1, 2), rope_theta=5e6, max_pixels=320 * 320, min_pixels=64 * 64,
+                       vocab_size=4096, seed=0, experts=Experts(16, 4, 352) if family == "qwen3_vl_moe" else None)
     else:
         raise ValueError(f"unknown family {family!r}")
     return str(path)

@@ -82,19 +82,20 @@ def test_experts_run_grouped_and_equal_a_per_token_reference():
     assert torch.allclose(layer(x, experts, weights), expected, atol=1e-5)
 
 
-def test_qwens_release_layout_of_the_experts_loads(qwen3vlmoe_path, hf_qwen3vlmoe, tmp_path):
-    """Qwen's Qwen3-VL-MoE checkpoints store the experts transposed ([experts, in, out]);
-    transformers 5 writes [experts, out, in]. Both load to the same model."""
+def test_transformers_layout_of_the_experts_loads(qwen3vlmoe_path, hf_qwen3vlmoe, tmp_path):
+    """The test checkpoint stores the experts as Qwen's releases do ([experts, in, out]);
+    transformers 5 saves them [experts, out, in]. That layout loads to the same model."""
     import shutil
 
-    released = tmp_path / "released"
-    shutil.copytree(qwen3vlmoe_path, released)
-    weights = load_file(str(released / "model.safetensors"))
+    own = tmp_path / "transformers-layout"
+    shutil.copytree(qwen3vlmoe_path, own)
+    weights = load_file(str(own / "model.safetensors"))
+    gate_up = next(v for k, v in weights.items() if k.endswith(".experts.gate_up_proj"))
+    assert gate_up.shape[1:] == (64, 2 * 48)  # released: [experts, hidden, 2 * intermediate]
     moved = {k: (v.transpose(1, 2).contiguous() if ".experts." in k else v) for k, v in weights.items()}
-    assert any(".experts.gate_up_proj" in k for k in moved)
-    save_file(moved, str(released / "model.safetensors"), metadata={"format": "pt"})
+    save_file(moved, str(own / "model.safetensors"), metadata={"format": "pt"})
     text, images = CASES["one_image"]
-    out = LLM(str(released), num_kv_blocks=64).generate(request(hf_qwen3vlmoe, text, images), greedy())[0]
+    out = LLM(str(own), num_kv_blocks=64).generate(request(hf_qwen3vlmoe, text, images), greedy())[0]
     check(out, hf_qwen3vlmoe, text, images, 16)
 
 

@@ -31,7 +31,9 @@ class Experts:
     dense_layers: tuple[int, ...] = field(default=())  # Qwen3-VL-MoE's mlp_only_layers
 
     def text_config(self) -> dict:
-        out = dict(num_experts=self.num_experts, num_experts_per_tok=self.top_k, moe_intermediate_size=self.intermediate)
+        # norm_topk_prob as released checkpoints write it (transformers always renormalises; vLLM reads it)
+        out = dict(num_experts=self.num_experts, num_experts_per_tok=self.top_k, moe_intermediate_size=self.intermediate,
+                   norm_topk_prob=True)
         if self.shared_intermediate:
             out["shared_expert_intermediate_size"] = self.shared_intermediate
         if self.dense_layers:
@@ -410,6 +412,8 @@ def build_qwen3_vl(
     model = model_cls(config)
     randomize_weights(model, seed, scale=weight_scale)
     model.save_pretrained(str(path))
+    if experts:
+        _experts_as_released(path)
     save_generation_config(path, tokenizer)
     Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16,
@@ -419,6 +423,17 @@ def build_qwen3_vl(
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(str(path))
     return path
+
+
+def _experts_as_released(path: Path) -> None:
+    """Qwen3-VL-MoE's experts as Qwen's checkpoints store them, [experts, in, out]
+    (transformers 5 writes [experts, out, in]; it and vLLM read the released layout)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in weights.items()}, str(file),
+              metadata={"format": "pt"})
 
 
 def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim, intermediate_size,
