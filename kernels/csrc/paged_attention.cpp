@@ -361,6 +361,8 @@ void dispatch_head_size(const at::Tensor& q, at::Tensor& out, const at::Tensor& 
     case 64: return run<scalar_t, BS, 64>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
     case 128:
       return run<scalar_t, BS, 128>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+    case 256:  // Qwen3.5, Gemma 3
+      return run<scalar_t, BS, 256>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
     default: return run<scalar_t, BS, 0>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
   }
 }
