@@ -15,6 +15,7 @@ from vlmserve.kernels import ops
 from vlmserve.kernels.triton_attention import paged_attention_triton
 
 pytestmark = pytest.mark.slow  # the interpreter runs each program in numpy
+request_of = request  # the helper, under a name pytest's `request` fixture does not shadow
 
 
 @pytest.fixture
@@ -50,3 +51,14 @@ def test_qwen3_5_on_triton_kernels(triton_llm, qwen35_path, hf_qwen35):
     text, images = CASES["two_images"]
     out = llm.generate(request(hf_qwen35, text, images), greedy(max_tokens=6))[0]
     check(out, hf_qwen35, text, images, 6)
+
+
+@pytest.mark.parametrize("family", ["qwen3vl", "qwen3vlmoe"])
+def test_qwen3_vl_on_triton_kernels(triton_llm, family, request):
+    """Qwen3 attention (q/k norms), DeepStack and the experts; chunked prefill through two
+    pictures."""
+    path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
+    llm = triton_llm(path, max_num_batched_tokens=24)
+    text, images = CASES["two_images"]
+    out = llm.generate(request_of(hf, text, images), greedy(max_tokens=6))[0]
+    check(out, hf, text, images, 6)
