@@ -237,8 +237,8 @@ class ModelRunner:
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def _step_multimodal_embeddings(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The encoder outputs of exactly the placeholder tokens computed this step, and
-        where those tokens are in the step; None without any."""
+        """Where this step's placeholder tokens are among its tokens, and their rows of
+        the encoder outputs (exactly the tokens computed this step); None without any."""
         dest, src = [], []
         token_start = 0
         for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
