@@ -61,18 +61,20 @@ struct Scratch {
   std::vector<uint32_t> q_pairs, p_pairs;  // bf16 pairs, for the AVX512-BF16 path
   std::vector<int32_t> lo, hi;  // per row: the visible key positions [lo, hi]
   void reserve(int64_t rows, int64_t head_dim, int64_t block_size) {
-    // GCC's unrolled loop over the rows' queries (block_scores, head sizes not known at
-    // compile time) loads up to 12 rows past the current four: rows of zeros stand there,
-    // so the loads never reach past the allocation (they did: segfaults at an arena's end)
-    q.assign((rows + kReadAheadRows) * head_dim, 0.f);
-    q_pairs.assign(rows * head_dim / 2, 0u);
+    // Every per-row buffer has kReadAheadRows rows more than the item uses: GCC's
+    // unrolled loops were seen to load past the rows they work on (the queries', in
+    // block_scores for head sizes not compiled in: segfaults at an arena's mapped end).
+    // The extra rows keep such loads inside the allocation; nothing reads their values.
+    const int64_t n = rows + kReadAheadRows;
+    q.assign(n * head_dim, 0.f);
+    q_pairs.assign(n * head_dim / 2, 0u);
     p_pairs.resize(kRows * block_size / 2);
-    o.assign(rows * head_dim, 0.f);
-    row_max.assign(rows, kNoScore);
-    row_sum.assign(rows, 0.f);
-    scores.resize(rows * block_size);
-    lo.resize(rows);
-    hi.resize(rows);
+    o.assign(n * head_dim, 0.f);
+    row_max.assign(n, kNoScore);
+    row_sum.assign(n, 0.f);
+    scores.resize(n * block_size);
+    lo.resize(n);
+    hi.resize(n);
   }
 };
 
