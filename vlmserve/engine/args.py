@@ -52,7 +52,7 @@ class EngineArgs:
     # quarter of the KV memory, at most 8 per running request)
     num_state_snapshots: int | None = None
     encoder_compute_budget: int = 8192  # vision-encoder embedding tokens one step computes at most
-    encoder_cache_size: int = 16384  # vision-encoder outputs kept, in embedding tokens
+    encoder_cache_size: int = 16384  # vision-encoder outputs kept, in embedding tokens (DeepStack: all levels each)
     allowed_local_media_path: str | None = None  # local files are served only from under this folder
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) media may come from
     # media per prompt, e.g. image=4,video=1 (a modality left out is refused)
