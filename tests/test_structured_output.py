@@ -71,12 +71,13 @@ def test_fifty_sampled_answers_to_a_nested_schema_all_validate(llm):
     assert_nothing_left(llm)
 
 
-def test_json_strings_admit_only_characters_a_decoder_keeps():
-    """xgrammar's own string classes admit UTF-8-encoded surrogates, which decode to three
-    U+FFFD each (a maxLength string then comes out too long), and raw control characters:
-    the rewritten grammar admits neither, in bounded and unbounded strings alike."""
+def test_grammars_admit_only_characters_a_decoder_keeps():
+    """xgrammar's negated classes and a regex's `.` admit UTF-8-encoded surrogates, which
+    decode to three U+FFFD each (a maxLength string or `.{1,3}` then comes out too long),
+    and its bounded JSON strings raw control characters: the rewritten grammars admit
+    neither, in bounded and unbounded strings and in regexes."""
     import xgrammar as xgr
-    from vlmserve.structured_output.grammar import json_schema_grammar
+    from vlmserve.structured_output.grammar import build_grammar, json_schema_grammar
     pieces = {"a": b"a", "kana": "\u3042".encode(), "emoji": "\U0001F600".encode(), "c1": b"\xc2\x80",
               "surrogate": b"\xed\xa0\x80", "tab": b"\t", "lone_continuation": b"\x80"}
     vocab = [b"<eos>", b'{"s":"', b'{"u":"', b'"}'] + list(pieces.values())
@@ -93,6 +94,15 @@ def test_json_strings_admit_only_characters_a_decoder_keeps():
             if all(matcher.accept_token(t) for t in (opening, 4 + i, 3, 0)):
                 admitted.add(name)
         assert admitted == {"a", "kana", "emoji", "c1"}, schema
+    for regex, expected in ((".{1,3}", set(pieces) - {"surrogate", "lone_continuation"}),
+                            ("[^a]{1,3}", set(pieces) - {"a", "surrogate", "lone_continuation"})):
+        compiled = compiler.compile_grammar(build_grammar(StructuredOutputsParams(regex=regex)))
+        admitted = set()
+        for i, name in enumerate(pieces):
+            matcher = xgr.GrammarMatcher(compiled)
+            if all(matcher.accept_token(t) for t in (4 + i, 0)):
+                admitted.add(name)
+        assert admitted == expected, regex
 
 
 def _parses(text: str) -> bool:

@@ -27,7 +27,7 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         if spec.json_object:
             return json_schema_grammar({"type": "object"}, strict=False)
         if spec.regex is not None:
-            return xgr.Grammar.from_regex(spec.regex)
+            return _characters_only(xgr.Grammar.from_regex(spec.regex))
         if spec.choice is not None:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
         return _grammar_from_text(spec.grammar)
@@ -40,22 +40,50 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
 
 
 def json_schema_grammar(schema: dict | str, strict: bool = True) -> xgr.Grammar:
-    """A JSON schema's grammar, compact, whose strings decode to what it counted. xgrammar
-    0.2.8 writes a string's characters as negated classes that admit UTF-8-encoded
-    surrogates (U+D800-U+DFFF: not characters; a decoder makes each three U+FFFD, so a
-    `maxLength` string comes out three times too long), and, under a length bound, raw
-    control characters (JSON forbids them). Both classes are rewritten to JSON's
-    characters minus the surrogates."""
+    """A JSON schema's grammar, compact. xgrammar 0.2.8 writes the characters of a string
+    with a length bound as [^"\\\r\n], which lets raw control characters through (JSON
+    forbids them; parsers refuse the answer): they are excluded, as in its unbounded
+    strings."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=strict)
-    text = str(grammar)
-    rewritten = text
-    for chars in _XGRAMMAR_STRING_CHARS:
-        rewritten = rewritten.replace(chars, _JSON_CHARS)
+    return _characters_only(xgr.Grammar.from_ebnf(str(grammar).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)))
+
+
+def _characters_only(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The grammar with no character class admitting a surrogate (U+D800-U+DFFF). xgrammar
+    matches code points by their UTF-8 form and its negated classes and `.` admit the
+    surrogates' encodings, which are not characters: a decoder makes each three U+FFFD,
+    so a `maxLength` string or a regex's `.{1,3}` came out longer than allowed."""
+    text, out, i = str(grammar), [], 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':  # a literal: copied as is
+            j = i + 1
+            while text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i : j + 1])
+            i = j + 1
+        elif c == "[":
+            j = i + 1
+            while text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            chars = text[i + 1 : j]
+            if chars == _ANY_CHAR:
+                chars = "^" + _SURROGATES
+            elif chars.startswith("^") and _SURROGATES not in chars:
+                chars += _SURROGATES
+            out.append("[" + chars + "]")
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    rewritten = "".join(out)
     return grammar if rewritten == text else xgr.Grammar.from_ebnf(rewritten)
 
 
-_XGRAMMAR_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_CHARS = r'[^\0-\x1f\"\\\ud800-\udfff]'
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+_SURROGATES = r"\ud800-\udfff"
+_ANY_CHAR = r"\0-\U0010ffff"  # how xgrammar writes a regex's `.`
 _SOURCE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
           "grammar": "grammar"}
