@@ -62,9 +62,7 @@ class PatchMerger(nn.Module):
 
 class VisionTransformer(nn.Module):
     """Returns [merged tokens, (1 + DeepStack levels) * out_hidden]: the last block's
-    features, then each DeepStack level's, side by side."""
-
-    deepstack = False  # Qwen3.5's tower has no DeepStack mergers
+    features, then each DeepStack level's, side by side (Qwen3.5's config names none)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -79,7 +77,7 @@ class VisionTransformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.hidden_size // cfg.num_heads // 2, theta), persistent=False)
         self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
-        self.deepstack_indexes = list(cfg.deepstack_visual_indexes) if self.deepstack else []
+        self.deepstack_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or [])
         self.deepstack_merger_list = nn.ModuleList([PatchMerger(cfg, norm_after_merge=True)
                                                     for _ in self.deepstack_indexes])
 
@@ -106,10 +104,6 @@ class VisionTransformer(nn.Module):
             if i in self.deepstack_indexes:
                 levels.append(self.deepstack_merger_list[self.deepstack_indexes.index(i)](x))
         return torch.cat([self.merger(x), *levels], dim=-1) if levels else self.merger(x)
-
-
-class DeepStackVisionTransformer(VisionTransformer):
-    deepstack = True
 
 
 # ----------------------------------------------------------------------------- text
@@ -152,7 +146,7 @@ class TextModel(MRoPEDecoder):
 
 # ----------------------------------------------------------------------------- model
 class Qwen3VLForConditionalGeneration(VisionLanguageModel):
-    vision_cls = DeepStackVisionTransformer
+    vision_cls = VisionTransformer
     decoder_cls = TextModel
 
     def merge_multimodal(self, embeds: torch.Tensor, token_index: torch.Tensor,

@@ -27,7 +27,7 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         if spec.json_object:
             return json_schema_grammar({"type": "object"}, strict=False)
         if spec.regex is not None:
-            return _characters_only(xgr.Grammar.from_regex(spec.regex))
+            return _characters_only(str(xgr.Grammar.from_regex(spec.regex)))
         if spec.choice is not None:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
         return _grammar_from_text(spec.grammar)
@@ -45,15 +45,16 @@ def json_schema_grammar(schema: dict | str, strict: bool = True) -> xgr.Grammar:
     forbids them; parsers refuse the answer): they are excluded, as in its unbounded
     strings."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS, strict_mode=strict)
-    return _characters_only(xgr.Grammar.from_ebnf(str(grammar).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)))
+    return _characters_only(str(grammar).replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
 
 
-def _characters_only(grammar: xgr.Grammar) -> xgr.Grammar:
-    """The grammar with no character class admitting a surrogate (U+D800-U+DFFF). xgrammar
-    matches code points by their UTF-8 form and its negated classes and `.` admit the
-    surrogates' encodings, which are not characters: a decoder makes each three U+FFFD,
-    so a `maxLength` string or a regex's `.{1,3}` came out longer than allowed."""
-    text, out, i = str(grammar), [], 0
+def _characters_only(ebnf: str) -> xgr.Grammar:
+    """xgrammar's EBNF as a grammar with no character class admitting a surrogate
+    (U+D800-U+DFFF). xgrammar matches code points by their UTF-8 form, and its negated
+    classes and `.` admit the surrogates' encodings, which are not characters: a decoder
+    makes each three U+FFFD, so a `maxLength` string or a regex's `.{1,3}` came out longer
+    than allowed."""
+    text, out, i = ebnf, [], 0
     while i < len(text):
         c = text[i]
         if c == '"':  # a literal: copied as is
@@ -76,8 +77,7 @@ def _characters_only(grammar: xgr.Grammar) -> xgr.Grammar:
         else:
             out.append(c)
             i += 1
-    rewritten = "".join(out)
-    return grammar if rewritten == text else xgr.Grammar.from_ebnf(rewritten)
+    return xgr.Grammar.from_ebnf("".join(out))
 
 
 _BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
