@@ -31,7 +31,9 @@ class AttentionMetadata:
     layers. Sequence i has query tokens q[query_start[i]:query_start[i + 1]], the last
     ones of its seq_lens[i] tokens (the cache holds all of them once this step's keys
     are written); its blocks are block_tables[i] (null-padded). A query at position p
-    sees the keys at [max(0, p - window + 1), p] (window 0: all of [0, p]).
+    sees the keys at [max(0, p - window + 1), p] (window 0: from 0), or up to
+    max(p, key_ends[token]) where key_ends is given: the tokens of a picture that attend
+    to each other both ways (Gemma 3) see up to its last token, computed in the same step.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
@@ -41,6 +43,7 @@ class AttentionMetadata:
     sliding_window: int  # 0: none
     query_start_host: list[int]  # the same on the host, for the portable implementation
     seq_lens_host: list[int]
+    key_ends: torch.Tensor | None = None  # [num_tokens] int32, or None: causal
 
 
 Upload = Callable[[str, np.ndarray], torch.Tensor]
@@ -57,11 +60,12 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None = None,
     upload: Upload = _to_cpu,
+    key_ends: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """block_tables[i]: block ids of request i (2-D, null-padded; already on the device,
     or a host array); it has num_computed[i] tokens in the cache and query_lens[i] new
     ones this step. `upload` puts the step's host arrays on the device (the runner's
-    staging; the default keeps them on the CPU)."""
+    staging; the default keeps them on the CPU). key_ends: see AttentionMetadata."""
     num_computed = np.asarray(num_computed, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
     if not isinstance(block_tables, torch.Tensor):
@@ -81,6 +85,7 @@ def build_attention_metadata(
         sliding_window=int(sliding_window or 0),
         query_start_host=query_start.tolist(),
         seq_lens_host=seq_lens.tolist(),
+        key_ends=None if key_ends is None else upload("key_ends", key_ends.astype(np.int32)),
     )
 
 
@@ -145,11 +150,12 @@ def paged_attention(
     for i, seq_len in enumerate(meta.seq_lens_host):
         s, e = starts[i], starts[i + 1]
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+        last = q_pos if meta.key_ends is None else torch.maximum(q_pos, meta.key_ends[s:e].long())
         first = max(seq_len - (e - s) - window + 1, 0)
         kv_pos = torch.arange(first, seq_len, device=q.device)
         keys, values = read_kv_cache(k_cache, v_cache, meta.block_tables[i].long()[kv_pos // block_size],
                                      kv_pos % block_size)
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
+        visible = (kv_pos[None, :] <= last[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0).float(),
             keys.transpose(0, 1).unsqueeze(0).float(),
@@ -167,7 +173,7 @@ def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     accumulation."""
     torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                                  meta.seq_lens, meta.sliding_window, scale)
+                                                  meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
 
 
 @register("varlen_attention")

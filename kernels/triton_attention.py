@@ -21,11 +21,13 @@ BLOCK_M = 16  # query tokens per program
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, key_ends_ptr,
     scale, window, bt_stride, num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEY_ENDS: tl.constexpr,
 ):
-    """One program: BLOCK_M query tokens of one sequence, one query head."""
+    """One program: BLOCK_M query tokens of one sequence, one query head. With KEY_ENDS,
+    a query sees keys up to max(its position, key_ends[token]) (see AttentionMetadata)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -44,6 +46,11 @@ def _paged_attention_kernel(
     pos = seq_len - q_len + rows  # each query's position
     first_pos = seq_len - q_len + tile * BLOCK_M
     last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1
+    key_end = pos
+    if KEY_ENDS:
+        ends = tl.load(key_ends_ptr + q_start + rows, mask=row_ok, other=0)
+        key_end = tl.minimum(tl.maximum(pos, ends), seq_len - 1)
+        last_pos = tl.max(tl.where(row_ok, key_end, 0), axis=0)
     lo = 0
     if window > 0:
         lo = tl.maximum(first_pos - window + 1, 0)
@@ -62,7 +69,7 @@ def _paged_attention_kernel(
         values = tl.load(v_cache_ptr + base + v_off, mask=dim_ok[None, :], other=0.0).to(tl.float32)  # [BS, D]
         scores = tl.dot(q, keys_t) * scale  # [M, BS]
         key_pos = b * BLOCK_SIZE + offsets
-        visible = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]
+        visible = (key_pos[None, :] <= key_end[:, None]) & row_ok[:, None]
         if window > 0:
             visible = visible & (key_pos[None, :] > pos[:, None] - window)
         scores = tl.where(visible, scores, -1e30)
@@ -118,9 +125,11 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     dim = q.shape[2]
     grid = (num_seqs, q.shape[1], triton.cdiv(max_q, BLOCK_M))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.seq_lens, scale, meta.sliding_window,
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.seq_lens,
+        meta.seq_lens if meta.key_ends is None else meta.key_ends, scale, meta.sliding_window,
         meta.block_tables.shape[1], q.shape[1], k_cache.shape[1],
         HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3], BLOCK_M=BLOCK_M,
+        KEY_ENDS=meta.key_ends is not None,
     )
     return out
 

@@ -13,9 +13,10 @@ from vlmserve.kernels.linear import PACKED_MIN_ROWS
 from vlmserve.models.layers import Linear
 
 
-def dense_attention(q, keys, values, scale, window=None):
+def dense_attention(q, keys, values, scale, window=None, key_ends=None):
     """Every query of a sequence over its keys/values [L, kv_heads, d] (the queries are the
-    last len(q) positions), causal and windowed, GQA by repetition, in float64."""
+    last len(q) positions), causal and windowed, GQA by repetition, in float64; with
+    key_ends, query i sees up to max(its position, key_ends[i])."""
     n, L = q.shape[0], keys.shape[0]
     group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
@@ -23,7 +24,8 @@ def dense_attention(q, keys, values, scale, window=None):
     scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, L]
     q_pos = torch.arange(L - n, L)[:, None]
     k_pos = torch.arange(L)[None, :]
-    visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or L + 1))
+    last = q_pos if key_ends is None else torch.maximum(q_pos, torch.as_tensor(key_ends)[:, None])
+    visible = (k_pos <= last) & (k_pos > q_pos - (window or L + 1))
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, heads, d]
 
@@ -80,6 +82,50 @@ def test_paged_attention_equals_dense_attention(impl, q_heads, kv_heads, window,
                               torch.cat([values, new_v[start : start + n]]), d**-0.5, window)
         torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
         start += n
+
+
+def bidirectional_case(block_size: int):
+    """Sequences whose step holds pictures that attend both ways: a run inside the step,
+    one whose start is in the cached prefix (a prefix hit mid-picture), a run longer
+    than the window, two runs in one step, decodes after a picture. Returns the case and
+    key_ends (the last key each query sees)."""
+    num_computed = [0, 12, 3, 40, 50]
+    query_lens = [40, 28, 45, 1, 30]
+    runs = [[(10, 26)], [(8, 24)], [(5, 35)], [], [(52, 60), (64, 72)]]
+    case = paged_case(num_computed, query_lens, 2, 16, block_size)
+    key_ends = []
+    for c, n, seq_runs in zip(num_computed, query_lens, runs):
+        ends = np.arange(c, c + n)
+        for lo, hi in seq_runs:
+            inside = (ends >= lo) & (ends < hi)
+            ends = np.where(inside, hi - 1, ends)
+        key_ends.append(ends)
+    return num_computed, query_lens, case, key_ends
+
+
+@pytest.mark.parametrize("impl", ["portable", "cpu"])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_attention_with_pictures_that_attend_both_ways(impl, window, block_size):
+    """Gemma 3's mask: causal, or within the query's picture; the window bounds only from below."""
+    from vlmserve.kernels.attention import paged_attention, paged_attention_cpu
+
+    num_computed, query_lens, case, key_ends = bidirectional_case(block_size)
+    k_cache, v_cache, tables, history, new_k, new_v = case
+    meta = build_attention_metadata(tables, num_computed, query_lens, block_size, window,
+                                    key_ends=np.concatenate(key_ends))
+    q = torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(3))
+    fn = paged_attention if impl == "portable" else paged_attention_cpu
+    out = fn(q, new_k, new_v, k_cache, v_cache, meta, 0.25)
+    start = 0
+    for (keys, values), n, ends in zip(history, query_lens, key_ends):
+        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
+                              torch.cat([values, new_v[start : start + n]]), 0.25, window, ends)
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
+        start += n
+    causal = fn(q, new_k, new_v, k_cache, v_cache,
+                build_attention_metadata(tables, num_computed, query_lens, block_size, window), 0.25)
+    assert not torch.allclose(causal, out)  # the mask made a difference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,10 @@
 // query_start [seqs + 1] (int32: where each sequence's queries start in q); seq_lens [seqs]
 // (int32: tokens in the cache once this step's are written, i.e. the last query's position
 // + 1). Query j of a sequence with q_len queries sits at position seq_len - q_len + j and
-// sees the keys at positions [max(0, pos - window + 1), pos] (window 0: no window).
+// sees the keys at positions [max(0, pos - window + 1), end], where end is pos, or with
+// key_ends [tokens] (int32, optional) max(pos, key_ends[token]): the tokens of a picture
+// that attend to each other both ways (Gemma 3) see up to the picture's last one, which
+// this step computes too. The window bounds only from below, as Gemma's masks do.
 //
 // Work is split into (sequence, KV head, tile of query tokens) items, handed out to the
 // threads one at a time from a shared counter (decodes are cheap, long prefills are not).
@@ -255,7 +258,7 @@ inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64
 template <typename scalar_t, int BS, int D>
 void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scalar_t* k_cache,
                  const scalar_t* v_cache, const int32_t* block_table, int32_t q_start, int32_t seq_len,
-                 int32_t q_len, int64_t window, float scale, int64_t q_heads, int64_t kv_heads, int64_t d_rt,
+                 int32_t q_len, const int32_t* key_ends, int64_t window, float scale, int64_t q_heads, int64_t kv_heads, int64_t d_rt,
                  int64_t bs_rt, Scratch& s) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   const int64_t dim = D > 0 ? D : d_rt;
@@ -263,6 +266,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
   const int64_t rows = (w.q_end - w.q_begin) * group;  // row r: token r / group, head kv_head * group + r % group
   const int64_t padded = (rows + kRows - 1) / kRows * kRows;  // padding rows see no key
   const int64_t first_pos = seq_len - q_len;
+  int64_t last_key = 0;
   s.reserve(padded, dim, bs);
   for (int64_t r = 0; r < padded; ++r) {
     if (r >= rows) {
@@ -276,10 +280,13 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     for (int64_t d = 0; d < dim; ++d) s.q[r * dim + d] = static_cast<float>(src[d]) * scale;
     if constexpr (kBf16Dot<scalar_t, BS, D>) std::memcpy(s.q_pairs.data() + r * dim / 2, src, dim * sizeof(scalar_t));
     const int64_t pos = first_pos + w.q_begin + r / group;
-    s.hi[r] = static_cast<int32_t>(pos);
+    // a key range may end past the query (a picture's tokens that see each other), never past the sequence
+    const int64_t end = key_ends ? std::min<int64_t>(std::max<int64_t>(key_ends[token], pos), seq_len - 1) : pos;
+    s.hi[r] = static_cast<int32_t>(end);
     s.lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+    last_key = std::max(last_key, end);
   }
-  const int64_t last_pos = first_pos + w.q_end - 1;
+  const int64_t last_pos = last_key;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + w.q_begin - window + 1) : 0;
   const int64_t block_elems = dim * bs;  // of one head, in either cache
   float correction[kRows];
@@ -319,7 +326,7 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
 template <typename scalar_t, int BS, int D>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
-         int64_t window, double scale) {
+         const int32_t* key_ends, int64_t window, double scale) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t q_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(3);  // keys [blocks, heads, D / 2, bs, 2]
@@ -349,7 +356,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       const WorkItem& w = items[i];
       attend_item<scalar_t, BS, D>(w, qp, op, kp, vp, bt + w.seq * bt_stride, qs[w.seq], sl[w.seq],
-                                   qs[w.seq + 1] - qs[w.seq], window, static_cast<float>(scale), q_heads, kv_heads,
+                                   qs[w.seq + 1] - qs[w.seq], key_ends, window, static_cast<float>(scale), q_heads, kv_heads,
                                    dim, block_size, scratch);
     }
   });
@@ -358,36 +365,36 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
 template <typename scalar_t, int BS>
 void dispatch_head_size(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                        int64_t window, double scale) {
+                        const int32_t* key_ends, int64_t window, double scale) {
   switch (q.size(2)) {
-    case 64: return run<scalar_t, BS, 64>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+    case 64: return run<scalar_t, BS, 64>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
     case 128:
-      return run<scalar_t, BS, 128>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      return run<scalar_t, BS, 128>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
     case 256:  // Qwen3.5, Gemma 3
-      return run<scalar_t, BS, 256>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
-    default: return run<scalar_t, BS, 0>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      return run<scalar_t, BS, 256>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
+    default: return run<scalar_t, BS, 0>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
   }
 }
 
 template <typename scalar_t>
 void dispatch(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens, int64_t window,
-              double scale) {
+              const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
+              const int32_t* key_ends, int64_t window, double scale) {
   switch (k_cache.size(3)) {  // the block size
     case 16:
-      return dispatch_head_size<scalar_t, 16>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window,
+      return dispatch_head_size<scalar_t, 16>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window,
                                               scale);
     case 32:
-      return dispatch_head_size<scalar_t, 32>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window,
+      return dispatch_head_size<scalar_t, 32>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window,
                                               scale);
     default:
-      return run<scalar_t, 0, 0>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      return run<scalar_t, 0, 0>(q, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
   }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
-                           int64_t window, double scale) {
+                           int64_t window, double scale, const std::optional<at::Tensor>& key_ends_opt) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 5 && v_cache.dim() == 5, "bad shapes");
   const int64_t blocks = k_cache.size(0), kv_heads = k_cache.size(1), dim = q.size(2), bs = k_cache.size(3);
   TORCH_CHECK(k_cache.sizes() == at::IntArrayRef({blocks, kv_heads, dim / 2, bs, 2}) &&
@@ -403,16 +410,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(),
               "the caches and block tables must be contiguous");
   const at::Tensor qc = q.contiguous();
+  at::Tensor key_ends_t;
+  if (key_ends_opt.has_value()) {
+    key_ends_t = key_ends_opt->contiguous();
+    TORCH_CHECK(key_ends_t.scalar_type() == at::kInt && key_ends_t.numel() == q.size(0),
+                "key_ends must be int32, one per query token");
+  }
+  const int32_t* key_ends = key_ends_t.defined() ? key_ends_t.data_ptr<int32_t>() : nullptr;
   at::Tensor out = at::empty_like(qc);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch<float>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      dispatch<float>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
       break;
     case at::kBFloat16:
-      dispatch<c10::BFloat16>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      dispatch<c10::BFloat16>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
       break;
     case at::kHalf:
-      dispatch<c10::Half>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, window, scale);
+      dispatch<c10::Half>(qc, out, k_cache, v_cache, block_tables, query_start, seq_lens, key_ends, window, scale);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
@@ -458,7 +472,7 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 TORCH_LIBRARY(vlmserve_cpu, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor seq_lens, int window, float scale) -> Tensor");
+        "Tensor seq_lens, int window, float scale, Tensor? key_ends=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
