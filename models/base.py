@@ -49,7 +49,9 @@ class VisionLanguageModel(nn.Module):
     and mrope_positions(), and name their towers."""
 
     vision_cls: type[nn.Module]
+    vision_name = "visual"  # the tower's module name in the checkpoint
     decoder_cls: type[nn.Module]
+    bidirectional_media = False  # a picture's tokens attend to each other both ways (Gemma 3)
     # checkpoint name fragment -> (fused module fragment, shard index), beyond q/k/v and gate/up
     extra_fused: dict[str, tuple[str, int]] = {}
 
@@ -58,7 +60,7 @@ class VisionLanguageModel(nn.Module):
         self.config = config
         self.text_config = config.text_config
         self.model = nn.Module()
-        self.model.visual = self.vision_cls(config.vision_config)
+        setattr(self.model, self.vision_name, self.vision_cls(config.vision_config))
         self.model.language_model = self.decoder_cls(self.text_config)
         tied = getattr(config, "tie_word_embeddings", False) or getattr(self.text_config, "tie_word_embeddings", False)
         self.lm_head = None if tied else Linear(self.text_config.hidden_size, self.text_config.vocab_size, bias=False)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmserve.testing.checkpoints import Experts, build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5, build_qwen3_vl
+from vlmserve.testing.checkpoints import (Experts, build_gemma3, build_qwen2_5_vl, build_qwen2_vl, build_qwen3_5,
+                                         build_qwen3_vl)
 
 torch.set_num_threads(2)
 
@@ -44,10 +45,11 @@ def qwen25_path(tmp_path_factory):
 class HFReference:
     """transformers' own model and processor for a checkpoint: the numerical reference."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, **processor_kwargs) -> None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(path)
+        self.processor_kwargs = processor_kwargs  # for pictures (Gemma 3's do_pan_and_scan)
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         self._cache: dict = {}
 
@@ -56,7 +58,8 @@ class HFReference:
         return self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
     def inputs(self, prompt: str, images: list[Image.Image]):
-        return self.processor(text=[prompt], images=images or None, return_tensors="pt")
+        return self.processor(text=[prompt], images=images or None, return_tensors="pt",
+                              **(self.processor_kwargs if images else {}))
 
     @torch.no_grad()
     def generate(self, prompt: str, images: list[Image.Image], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -115,6 +118,19 @@ def qwen35_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hf_qwen35(qwen35_path):
     return HFReference(qwen35_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory):
+    """Tiny Gemma 3: sliding (window 24) and global layers alternating, SigLIP depth 2
+    pooled to 16 tokens a picture, pan-and-scan crops available."""
+    return str(build_gemma3(tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_path):
+    """transformers' Gemma 3 with pan-and-scan on (the engine's tests turn it on too)."""
+    return HFReference(gemma3_path, do_pan_and_scan=True)
 
 
 @pytest.fixture(scope="session")

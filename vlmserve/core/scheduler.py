@@ -314,6 +314,12 @@ class Scheduler:
         # the last position fed to the model must stay inside the context
         num_new = max(min(num_new, token_budget, self.config.max_model_len - num_computed), 0)
         end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
+        for f in request.mm_features:
+            if f.bidirectional and f.offset < end < f.end:
+                # its first tokens would need keys of its last ones: stop before it (or, when
+                # a prefix hit ended inside it, wait for a budget that takes the rest at once)
+                end = max(f.offset, num_computed)
+                break
         return end - num_computed
 
     def _schedule_encoder_inputs(

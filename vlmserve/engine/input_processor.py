@@ -97,6 +97,9 @@ class InputProcessor:
         self.default_mm_kwargs = dict(default_mm_kwargs or {})
         self.placeholder = {"image": mm_processor.image_token, "video": mm_processor.video_token}
         self.pad_id = {"image": mm_processor.image_token_id, "video": mm_processor.video_token_id}
+        # Qwen's placeholder is its pad token; Gemma 3's is <start_of_image>, which its replacement repeats
+        self.placeholder_id = {m: tokenizer.convert_tokens_to_ids(p) for m, p in self.placeholder.items() if p}
+        self.bidirectional_media = getattr(model_cls, "bidirectional_media", False)
         # no token covers more characters than its longest entry in the vocabulary: a text
         # longer than that many characters per token of context cannot fit, whatever it says
         self.max_chars_per_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -167,11 +170,12 @@ class InputProcessor:
             item = self.mm.process(source, modality, settings)
         except ValueError as e:
             raise type(e)(f"{modality} {index}: {e}") from None
-        tokens = item.replacement.count(self.placeholder[modality])
+        tokens = item.num_tokens
         if tokens > self.max_media_tokens:
             raise ValueError(
-                f"{modality} {index} needs {tokens} tokens, more than the engine's encoder budget of "
-                f"{self.max_media_tokens}; send a smaller {modality} or lower max_pixels"
+                f"{modality} {index} needs {tokens} tokens, more than the engine's budget of "
+                f"{self.max_media_tokens} for one item (encoder budget and cache; for models whose picture tokens "
+                f"see each other, also the step's token budget); send a smaller {modality} or lower max_pixels"
             )
         return item
 
@@ -187,7 +191,7 @@ class InputProcessor:
             span = f" (0 to {vocab - 1})" if vocab else ""
             raise ValueError(f"prompt_token_ids holds {bad[0]!r}, not a token id of this model{span}")
         out, counters = [], dict.fromkeys(MODALITIES, 0)
-        by_id = {self.pad_id[m]: m for m in MODALITIES if self.pad_id[m] is not None}
+        by_id = {i: m for m, i in self.placeholder_id.items() if i is not None}
         for token in inp.prompt_token_ids:
             modality = by_id.get(token)
             if modality is None:
@@ -255,25 +259,28 @@ class InputProcessor:
         return sorted(features, key=lambda f: f.offset)
 
     def _split(self, item: ProcessedMedia, runs: list[tuple[int, int]]) -> list[MultiModalFeature]:
-        t, h, w = item.data["grid_thw"]
-        merge_unit = self.mm.image_processor.merge_size ** 2
-        total = t * h * w // merge_unit
+        """The item's feature, or one per run of pad tokens it spans (a video's frame
+        groups, a picture's pan-and-scan crops), each with its share of the pixel rows."""
         mine, covered = [], 0
-        while covered < total:
+        while covered < item.num_tokens:
             offset, length = runs.pop(0)
             mine.append((offset, length))
             covered += length
+        both_ways = self.bidirectional_media
         if len(mine) == 1:
             offset, length = mine[0]
-            return [MultiModalFeature(item.modality, item.mm_hash, offset, length, item.data)]
-        rows_per_token = merge_unit
+            return [MultiModalFeature(item.modality, item.mm_hash, offset, length, item.data, bidirectional=both_ways)]
+        pixels = item.data["pixel_values"]
         features, start = [], 0
         for k, (offset, length) in enumerate(mine):
-            frames = length * merge_unit // (h * w)
-            rows = slice(start, start + length * rows_per_token)
-            data = dict(item.data, pixel_values=item.data["pixel_values"][rows], grid_thw=(frames, h, w))
-            features.append(MultiModalFeature(item.modality, f"{item.mm_hash}.{k}", offset, length, data, piece=k))
-            start += length * rows_per_token
+            lo, hi = start * len(pixels) // covered, (start + length) * len(pixels) // covered
+            data = dict(item.data, pixel_values=pixels[lo:hi])
+            if "grid_thw" in data:  # frame groups of a video
+                _, h, w = data["grid_thw"]
+                data["grid_thw"] = ((hi - lo) // (h * w), h, w)
+            features.append(MultiModalFeature(item.modality, f"{item.mm_hash}.{k}", offset, length, data, piece=k,
+                                              bidirectional=both_ways))
+            start += length
         return features
 
     def _cache_points(self, token_ids: list[int], features: list[MultiModalFeature]) -> list[int]:

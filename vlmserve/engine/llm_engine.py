@@ -77,15 +77,19 @@ class LLMEngine:
         self.core = core_cls(args, self.model_path, self.eos_token_id, self.timer)
         info = self.core.info
         self.max_model_len = info.max_model_len
+        model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+        max_media_tokens = min(args.encoder_compute_budget, args.encoder_cache_size)
+        if getattr(model_cls, "bidirectional_media", False):  # a picture's tokens go in one step
+            max_media_tokens = min(max_media_tokens, args.max_num_batched_tokens)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
             mm_processor=self.mm_processor,
-            model_cls=get_model_class(getattr(hf_config, "architectures", None) or []),
+            model_cls=model_cls,
             hf_config=hf_config,
             max_model_len=info.max_model_len,
             eos_token_id=self.eos_token_id,
             block_hasher=BlockHasher(args.block_size),
-            max_media_tokens=min(args.encoder_compute_budget, args.encoder_cache_size),
+            max_media_tokens=max_media_tokens,
             block_size=args.block_size,
             limit_mm_per_prompt=dict(args.limit_mm_per_prompt),
             default_mm_kwargs=args.mm_processor_kwargs,

@@ -20,7 +20,9 @@ class MultiModalFeature:
     offset: int
     length: int
     data: dict[str, Any] = field(repr=False)
-    piece: int = 0  # a video split into frame groups (Qwen3.5): which group; 0 starts an item
+    piece: int = 0  # an item split over several placeholder runs (frame groups, crops): which; 0 starts it
+    # its tokens attend to each other both ways (Gemma 3): a step never stops inside it
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:

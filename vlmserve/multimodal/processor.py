@@ -19,7 +19,7 @@ from vlmserve.multimodal.media import MediaError, MediaLoader, RawMedia
 
 # OpenAI's detail="low": a small pixel budget (256 patches of 14 px before merging)
 LOW_DETAIL_MAX_PIXELS = 256 * 14 * 14
-_SETTINGS = {"min_pixels", "max_pixels", "fps"}
+_SETTINGS = {"min_pixels", "max_pixels", "fps", "do_pan_and_scan"}
 MAX_PIXELS_SETTING = 1 << 30
 
 
@@ -29,6 +29,7 @@ class ProcessedMedia:
     mm_hash: str
     replacement: str  # what the placeholder token becomes in the prompt text
     data: dict[str, Any]  # pixel_values, grid_thw, ...
+    num_tokens: int  # embeddings it becomes: the pad tokens of its replacement
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +96,11 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
     for key, value in settings.items():
         if value is None:
             continue
+        if key == "do_pan_and_scan":  # Gemma 3: the picture plus crops of its long side
+            if not isinstance(value, bool):
+                raise ValueError(f"do_pan_and_scan must be true or false, got {value!r}")
+            out[key] = value
+            continue
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
         if key != "fps":  # pixel counts: whole numbers, at most a gigapixel
             ok = ok and float(value).is_integer() and value <= MAX_PIXELS_SETTING
@@ -119,6 +125,10 @@ class MultiModalProcessor:
         self.video_token = getattr(self.hf_processor, "video_token", None)
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = getattr(hf_config, "video_token_id", None)
+        self.tokenizer = self.hf_processor.tokenizer
+        # what the HF processor passes its image processor unless told otherwise (Gemma 3's
+        # pan-and-scan settings: they take precedence over the image processor's own config)
+        self.image_defaults = dict(getattr(type(self.hf_processor), "images_kwargs", None) or {})
         self.cache = ProcessorCache(cache_bytes)
 
     def process(self, source: Any, modality: str, settings: dict[str, Any] | None = None) -> ProcessedMedia:
@@ -136,19 +146,21 @@ class MultiModalProcessor:
         return item
 
     def _process_image(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
+        kwargs = {**self.image_defaults, **self._size_kwargs(self.image_processor, settings)}
+        if "do_pan_and_scan" in settings:
+            if not hasattr(self.image_processor, "do_pan_and_scan"):
+                raise MediaError("do_pan_and_scan: this model's processor has no pan-and-scan crops")
+            kwargs["do_pan_and_scan"] = settings["do_pan_and_scan"]
         image = self.loader.decode_image(raw)
         try:
-            out = self.image_processor(images=[image], return_tensors="pt",
-                                       **self._size_kwargs(self.image_processor, settings))
+            out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
         except ValueError as e:  # the processor refuses some shapes (an aspect ratio over 200)
             raise MediaError(f"{raw.what}: {e}") from None
-        grid = out["image_grid_thw"]
-        return ProcessedMedia(
-            modality="image",
-            mm_hash=key,
-            replacement=self.hf_processor.replace_image_token({"image_grid_thw": grid}, 0),
-            data={"pixel_values": out["pixel_values"], "grid_thw": tuple(int(x) for x in grid[0])},
-        )
+        data = {"pixel_values": out["pixel_values"]}  # Gemma 3: the picture, then its pan-and-scan crops
+        if "image_grid_thw" in out:  # Qwen: patches of a grid
+            data["grid_thw"] = tuple(int(x) for x in out["image_grid_thw"][0])
+        replacement = self.hf_processor.replace_image_token(out, 0)
+        return ProcessedMedia("image", key, replacement, data, self._count(replacement, self.image_token_id))
 
     def _process_video(self, raw: RawMedia, key: str, settings: dict[str, Any]) -> ProcessedMedia:
         from transformers.video_utils import VideoMetadata
@@ -194,13 +206,16 @@ class MultiModalProcessor:
             "second_per_grid_t": temporal / meta.sampled_fps,
         }
         replacement = self.hf_processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
-        return ProcessedMedia("video", key, replacement, data)
+        return ProcessedMedia("video", key, replacement, data, self._count(replacement, self.video_token_id))
+
+    def _count(self, replacement: str, pad_id: int) -> int:
+        return self.tokenizer.encode(replacement, add_special_tokens=False).count(pad_id)
 
     @staticmethod
     def _size_kwargs(processor, settings: dict[str, Any]) -> dict[str, Any]:
         """Per-request pixel bounds, on top of the processor's own."""
-        if not {"min_pixels", "max_pixels", "detail"} & set(settings):
-            return {}
+        if not {"min_pixels", "max_pixels", "detail"} & set(settings) or "height" in processor.size:
+            return {}  # (a model that takes one fixed size, as Gemma 3, has no pixel bounds to move)
         size = dict(processor.size)
         if "min_pixels" in settings:
             size["shortest_edge"] = settings["min_pixels"]

@@ -476,3 +476,117 @@ def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv
         tie_word_embeddings=False,
     )
     return config
+
+
+GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                        "<end_of_image>", "<image_soft_token>"]
+
+
+def gemma_chat_template() -> str:
+    """Gemma's turns: <start_of_turn>user\n...<end_of_turn>\n, the assistant as `model`;
+    a picture is <start_of_image> (the processor expands it); a system message opens the
+    first user turn."""
+    return (
+        "{{- bos_token }}"
+        "{%- for message in messages %}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+        "{%- if not (message['role'] == 'system' or (loop.index0 == 1 and messages[0]['role'] == 'system')) %}"
+        "{{- '<start_of_turn>' + role + '\n' }}"
+        "{%- elif message['role'] == 'system' %}{{- '<start_of_turn>user\n' }}"
+        "{%- endif %}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}"
+        "{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}{{- '<start_of_image>' }}"
+        "{%- elif part['type'] == 'text' %}{{- part['text'] }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{%- if message['role'] == 'system' %}{{- '\n\n' }}{%- else %}{{- '<end_of_turn>\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+    )
+
+
+def build_gemma3(
+    path: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    sliding_pattern: int = 2,
+    sliding_window: int = 24,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 2,
+    image_size: int = 64,
+    patch_size: int = 8,
+    mm_tokens_per_image: int = 16,
+    rope_scaling_factor: float = 8.0,
+    vocab_size: int = 512,
+    seed: int = 0,
+    weight_scale: float = 0.4,
+    corpus: list[str] | None = None,
+) -> Path:
+    """A tiny Gemma 3: every `sliding_pattern`-th layer global, the others a sliding
+    window (the released models: 6, 1024); SigLIP tower pooled to mm_tokens_per_image.
+    Pan-and-scan is set as released: off unless asked for, then with the processor's
+    defaults (crops of 256 px or more, for pictures over 1.2:1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
+                              PreTrainedTokenizerFast)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((corpus or _DEFAULT_CORPUS) * 4, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=GEMMA_SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL_TOKENS}
+    layer_types = ["full_attention" if (i + 1) % sliding_pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window, layer_types=layer_types,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": rope_scaling_factor,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            max_position_embeddings=4096, eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+            bos_token_id=ids["<bos>"], pad_token_id=ids["<pad>"],
+        ),
+        vision_config=dict(
+            hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_depth,
+            num_attention_heads=vision_heads, image_size=image_size, patch_size=patch_size, vision_use_head=False,
+        ),
+        mm_tokens_per_image=mm_tokens_per_image,
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    randomize_weights(model, seed, scale=weight_scale)
+    with torch.no_grad():  # (1 + weight) norms: weights near zero, as trained ones are
+        for name, p in model.named_parameters():
+            if "norm" in name and "layernorm" not in name.split(".")[-2] or name.endswith("soft_emb_norm.weight"):
+                p.sub_(1.0)
+    model.save_pretrained(str(path))
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"],
+                     bos_token_id=ids["<bos>"], do_sample=False).save_pretrained(str(path))
+    Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": image_size, "width": image_size}),
+        tokenizer=tokenizer, chat_template=gemma_chat_template(), image_seq_length=mm_tokens_per_image,
+    ).save_pretrained(str(path))
+    return path

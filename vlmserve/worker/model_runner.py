@@ -266,15 +266,33 @@ class ModelRunner:
             recurrent = {layer: meta for layer in self.recurrent_layers}
         self._sync_block_tables()
         rows_t = self.staging.upload("rows", rows)
+        key_ends = self._key_ends(step)
         for a, group in enumerate(self.attention_groups):
             spec = group.spec
             window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
             width = int(batch.num_blocks[a][rows].max())
             upload = lambda name, array, a=a: self.staging.upload(f"attn{a}.{name}", array)
             meta = build_attention_metadata(self.device_tables[a][rows_t, :width], step.num_computed,
-                                            step.query_lens, self.block_size, window, upload)
+                                            step.query_lens, self.block_size, window, upload, key_ends)
             attn.update({layer: meta for layer in group.layer_ids})
         return ForwardContext(kv_caches=self.kv_caches, attn_metadata=attn, layer_state=recurrent)
+
+    def _key_ends(self, step: StepInputs) -> np.ndarray | None:
+        """The last key each query token sees, where the step holds media whose tokens
+        attend to each other both ways (the scheduler never cuts one); None: causal."""
+        ends, token_start = None, 0
+        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
+            for f in self.input_batch.states[row].mm_features:
+                lo, hi = max(c, f.offset), min(c + q, f.end)
+                if not f.bidirectional or lo >= hi:
+                    continue
+                if ends is None:  # every token's own position first
+                    starts = np.repeat(np.asarray(step.num_computed) - np.cumsum([0] + step.query_lens[:-1]),
+                                       step.query_lens)
+                    ends = np.arange(len(starts)) + starts
+                ends[token_start + lo - c : token_start + hi - c] = f.end - 1
+            token_start += q
+        return ends
 
     def _sync_block_tables(self) -> None:
         rows = self.input_batch.take_dirty_rows()
