@@ -137,3 +137,31 @@ def test_released_dimensions(tmp_path):
     for text, images in (CASES["one_image"], CASES["two_images"]):
         out = llm.generate(request(hf, text, images), greedy(8, prompt_logprobs=-1))[0]
         check(out, hf, text, images, 8, prompt_logprobs=True)
+
+
+@pytest.mark.slow
+def test_served_over_the_openai_api(gemma3_path, hf_gemma3):
+    """`vlmserve serve` with the Gemma 3 checkpoint, the official client: a picture with
+    pan-and-scan asked per request (vLLM's `mm_processor_kwargs`), streamed and not, is
+    transformers' greedy answer; a bad setting is a 400 that says what is wrong."""
+    import openai
+
+    from test_openai_server import KEY, Server, data_url, image_chat
+
+    server = Server(gemma3_path, "--api-key", KEY)
+    try:
+        client = server.client()
+        kwargs = dict(model="tiny", temperature=0, max_tokens=12, extra_body={"mm_processor_kwargs": PAN_AND_SCAN})
+        text, images = CROPS["wide"]
+        answer = client.chat.completions.create(messages=image_chat(data_url(WIDE), text), **kwargs)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            messages=image_chat(data_url(WIDE), text), stream=True, **kwargs) if c.choices)
+        tokens, _ = hf_gemma3.generate(hf_gemma3.prompt(text, 1), images, 12)
+        expected = hf_gemma3.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert answer.choices[0].message.content == streamed == expected
+        assert answer.usage.prompt_tokens == len(hf_gemma3.inputs(hf_gemma3.prompt(text, 1), images)["input_ids"][0])
+        with pytest.raises(openai.BadRequestError, match="do_pan_and_scan must be true or false"):
+            client.chat.completions.create(messages=image_chat(data_url(WIDE), text), model="tiny", max_tokens=2,
+                                           extra_body={"mm_processor_kwargs": {"do_pan_and_scan": "yes"}})
+    finally:
+        server.stop()

@@ -155,6 +155,39 @@ def test_chunked_prefill_cuts_through_an_image_and_encodes_it_once():
     assert chunks[:5] == [8, 8, 8, 8, 8] and runner.encoded == ["img"]
 
 
+def test_a_picture_whose_tokens_see_each_other_is_never_cut():
+    """Gemma 3's pictures: a step stops before one that does not fit whole, and a request
+    whose prefix hit ends inside one computes the rest of it in one step."""
+    sched = make_scheduler(budget=8, num_blocks=128)
+    runner = FakeRunner(sched)
+
+    def both_ways(rid, tail_seed):
+        req = make_request(rid, 30, 2, [("img", 5, 6), ("img2", 12, 7)])
+        tail = random.Random(tail_seed)
+        req.prompt_token_ids[19:] = [tail.randint(5, 50) for _ in range(11)]  # the text after the pictures
+        req = Request(rid, req.prompt_token_ids, req.sampling_params, EOS, req.mm_features, block_hasher=BlockHasher(BS))
+        for f in req.mm_features:
+            f.bidirectional = True
+        return req
+
+    sched.add_request(both_ways("a", 1))
+    steps = []
+    run_to_completion(sched, runner, lambda s, so: steps.append(so.num_scheduled_tokens.get("a", 0)))
+    assert steps[:3] == [5, 7, 8]  # [0, 5) | [5, 12): img whole, stops before img2 | [12, 20): img2 whole
+    # the same pictures, other text after them: the hit of 4 blocks ends inside img2 [12, 19);
+    # behind a 6-token prompt, the 2 tokens of budget left would cut it: b waits a step
+    sched.add_request(make_request("c", 6, 1, seed=9))
+    sched.add_request(both_ways("b", 2))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"c": 6} and sched.requests["b"].status == RequestStatus.WAITING
+    sched.update_from_output(so, runner.execute(so))
+    so = sched.schedule()
+    assert sched.requests["b"].num_cached_tokens == 16 and so.num_scheduled_tokens["b"] == 8
+    sched.update_from_output(so, runner.execute(so))
+    run_to_completion(sched, runner)
+    assert_everything_free(sched)
+
+
 def test_encoder_cache_hit_skips_the_encoder_for_a_repeated_image():
     sched = make_scheduler(budget=64)
     runner = FakeRunner(sched)

@@ -62,3 +62,14 @@ def test_qwen3_vl_on_triton_kernels(triton_llm, family, request):
     text, images = CASES["two_images"]
     out = llm.generate(request_of(hf, text, images), greedy(max_tokens=6))[0]
     check(out, hf, text, images, 6)
+
+
+def test_gemma3_on_triton_kernels(triton_llm, gemma3_path, hf_gemma3):
+    """Sliding and global layers, pictures and pan-and-scan crops whose tokens see each
+    other (the kernel's key_ends), steps that stop before a picture."""
+    from test_gemma3_parity import CROPS, PAN_AND_SCAN
+
+    llm = triton_llm(gemma3_path, max_num_batched_tokens=48, mm_processor_kwargs=PAN_AND_SCAN)
+    text, images = CROPS["crops_and_plain"]
+    out = llm.generate(request(hf_gemma3, text, images), greedy(max_tokens=6))[0]
+    check(out, hf_gemma3, text, images, 6)
