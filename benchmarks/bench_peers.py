@@ -3,7 +3,7 @@ shared system prompt, 0-2 pictures and 8-64 output tokens per request) through v
 transformers `generate` (static batches, its best batch size) and vLLM's CPU build, in one
 run on one machine, alternating engines; medians of `--repeats` runs after one warm-up.
 
-    python benchmarks/bench_peers.py [--family qwen2_5_vl|qwen3_5|qwen3_vl|qwen3_vl_moe] [--dtype bfloat16|float32]
+    python benchmarks/bench_peers.py [--family qwen2_5_vl|qwen3_5|qwen3_vl|qwen3_vl_moe|gemma3] [--dtype bfloat16|float32]
         [--requests 256] [--repeats 3] [--hf-batch 8,16,32] [--engines vlmserve,transformers,vllm]
         [--vllm-python PATH] [--vllm-modes compiled,eager] [--threads 2] [--device cpu|cuda]
 
@@ -146,7 +146,8 @@ class Engine:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_5", "qwen3_vl", "qwen3_vl_moe"], default="qwen2_5_vl")
+    ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_5", "qwen3_vl", "qwen3_vl_moe", "gemma3"],
+                    default="qwen2_5_vl")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")

@@ -95,8 +95,11 @@ def peer_checkpoint(family: str) -> str:
     - qwen3_vl: a Qwen3-VL of that size (8 layers, 8 / 2 heads of 64, MLP 1408), vision
       depth 4 with DeepStack levels after blocks 1 and 2;
     - qwen3_vl_moe: the same with 16 experts of width 352, top 4, in every layer (as much
-      compute per token as the dense MLP, 4x its weights)."""
-    from vlmserve.testing.checkpoints import Experts, build_qwen2_5_vl, build_qwen3_5, build_qwen3_vl
+      compute per token as the dense MLP, 4x its weights);
+    - gemma3: a Gemma 3 of that size (8 layers, every fourth global, the others a window of
+      256; 8 / 2 heads of 64, MLP 1408), SigLIP 224 px in patches of 14, depth 4, width
+      256, pooled to 64 tokens a picture."""
+    from vlmserve.testing.checkpoints import Experts, build_gemma3, build_qwen2_5_vl, build_qwen3_5, build_qwen3_vl
 
     path = CACHE / f"peer-{family}-v1"
     if (path / "model.safetensors").exists():
@@ -116,6 +119,10 @@ def peer_checkpoint(family: str) -> str:
                        intermediate_size=1408, vision_hidden=256, vision_depth=4, vision_heads=4,
                        deepstack_indexes=(1, 2), rope_theta=5e6, max_pixels=320 * 320, min_pixels=64 * 64,
                        vocab_size=4096, seed=0, experts=Experts(16, 4, 352) if family == "qwen3_vl_moe" else None)
+    elif family == "gemma3":
+        build_gemma3(path, hidden_size=512, num_layers=8, sliding_pattern=4, sliding_window=256, num_heads=8,
+                     num_kv_heads=2, head_dim=64, intermediate_size=1408, vision_hidden=256, vision_depth=4,
+                     vision_heads=4, image_size=224, patch_size=14, mm_tokens_per_image=64, vocab_size=4096, seed=0)
     else:
         raise ValueError(f"unknown family {family!r}")
     return str(path)

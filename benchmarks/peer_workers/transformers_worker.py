@@ -41,8 +41,8 @@ def main() -> None:
     start_seconds = time.perf_counter() - t
 
     def generate(chunk: list[Request]) -> tuple[list[list[int]], float]:
-        images = [img for r in chunk for img in r.images]
-        inputs = processor(text=[r.prompt for r in chunk], images=images or None, return_tensors="pt",
+        images = [r.images for r in chunk]  # per prompt (Gemma 3's processor needs them so)
+        inputs = processor(text=[r.prompt for r in chunk], images=images if any(images) else None, return_tensors="pt",
                            padding=True, padding_side="left").to(args.device)
         longest = max(r.max_tokens for r in chunk)
         first = FirstToken()

@@ -436,6 +436,15 @@ def _experts_as_released(path: Path) -> None:
               metadata={"format": "pt"})
 
 
+def _rename_weights(path: Path, prefix: str, new_prefix: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    weights = load_file(str(file))
+    save_file({(new_prefix + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in weights.items()},
+              str(file), metadata={"format": "pt"})
+
+
 def _qwen3_5_config(vocab_size, ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim, intermediate_size,
                     linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads, experts=None,
                     partial_rotary=0.5):
@@ -551,6 +560,7 @@ def build_gemma3(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
+    tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # single tokens in Gemma's vocabulary (vLLM relies on it)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL_TOKENS}
     layer_types = ["full_attention" if (i + 1) % sliding_pattern == 0 else "sliding_attention" for i in range(num_layers)]
     config = Gemma3Config(
@@ -576,11 +586,12 @@ def build_gemma3(
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config)
     randomize_weights(model, seed, scale=weight_scale)
-    with torch.no_grad():  # (1 + weight) norms: weights near zero, as trained ones are
+    with torch.no_grad():  # the decoder's and projector's (1 + weight) norms: near zero, as trained ones are
         for name, p in model.named_parameters():
-            if "norm" in name and "layernorm" not in name.split(".")[-2] or name.endswith("soft_emb_norm.weight"):
+            if "norm" in name and ("language_model" in name or "soft_emb_norm" in name):
                 p.sub_(1.0)
     model.save_pretrained(str(path))
+    _rename_weights(path, "vision_tower.", "vision_tower.vision_model.")  # as Google's releases name them
     from transformers import GenerationConfig
 
     GenerationConfig(eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"],
