@@ -64,10 +64,13 @@ class Server:
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.base + "/metrics").text
-        # name may carry its labels, e.g. 'request_success_total{finished_reason="abort"}'
-        pattern = rf"^vlmserve:{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
-        values = [float(m.group(1)) for m in re.finditer(pattern, text, re.M)]
-        return sum(values)
+        # name may carry labels, e.g. 'request_success_total{finished_reason="abort"}': the
+        # sum over the series that have them (and any others: a replica's, say)
+        base, _, labels = name.partition("{")
+        wanted = set(re.findall(r'(\w+)="([^"]*)"', labels))
+        pattern = rf"^vlmserve:{re.escape(base)}(?:{{([^}}]*)}})? (\S+)$"
+        return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M)
+                   if wanted <= set(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")))
 
     def stop(self, sig=signal.SIGTERM, timeout=60) -> int:  # beyond the server's 30 s drain
         if self.proc.poll() is None:
@@ -422,12 +425,13 @@ def test_a_client_that_hangs_up_on_a_plain_request_aborts_it(server):
     conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     deadline = time.time() + 30
-    while time.time() < deadline and server.metric("num_requests_running") < 1:  # running: now hang up
+    while time.time() < deadline and server.metric("num_requests_running") != 1:  # running: now hang up
         time.sleep(0.02)
     assert server.metric("num_requests_running") == 1
     conn.close()
-    deadline = time.time() + 15
-    while time.time() < deadline and server.metric("num_requests_running"):
+    deadline = time.time() + 15  # (replicas report their series every second)
+    while time.time() < deadline and (server.metric("num_requests_running") or
+                                      server.metric('request_success_total{finished_reason="abort"}') == aborted):
         time.sleep(0.1)
     assert server.metric("num_requests_running") == 0 and server.metric("kv_cache_blocks_in_use") == 0
     assert server.metric('request_success_total{finished_reason="abort"}') == aborted + 1

@@ -18,6 +18,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole (an engine replica raises it to the ingress)
+        return type(self), (self.param, str(self))
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:

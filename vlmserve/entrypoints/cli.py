@@ -120,6 +120,25 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     h.add_argument("--log-level", default="INFO")
 
 
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    """Engine replicas on Ray Serve behind this server (serve --replicas N)."""
+    r = p.add_argument_group("replicas (Ray Serve)")
+    r.add_argument("--replicas", type=int, default=0,
+                   help="engine replicas on a Ray cluster behind this server (0: one engine in this process)")
+    r.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica asks for (and its threads)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica asks for")
+    r.add_argument("--min-replicas", type=int, default=1, help="autoscaling: fewest replicas")
+    r.add_argument("--max-replicas", type=int, default=0, help="autoscaling: most replicas (0: no autoscaling)")
+    r.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                   help="autoscaling: requests in flight per replica it aims at")
+    r.add_argument("--router", choices=["affinity", "default"], default="affinity",
+                   help="affinity: to the replica holding the request's prefix and pictures; default: Ray Serve's")
+    r.add_argument("--affinity-imbalance", type=int, default=4,
+                   help="requests in flight a replica may have over the least loaded one and still be chosen for "
+                        "affinity")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_http_args(serve, port=8000)
+    add_replica_args(serve)
 
     caption = sub.add_parser("caption", help="caption images and videos into a JSONL file")
     add_engine_args(caption)

@@ -41,13 +41,18 @@ class ClientGone(Exception):
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None, metrics=None) -> None:
+        """engine: an AsyncLLM, or what stands for one (replicas.ReplicaPool: the same
+        generate/health/abort/shutdown, and an `engine` with LLMEngine's front-end members);
+        metrics: what /metrics renders (by default, this engine's own series)."""
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.tokenizer = engine.engine.tokenizer
-        self.metrics = EngineMetrics(lambda: engine.stats)
-        engine.step_listeners.append(self.metrics.on_step)
+        if metrics is None:
+            metrics = EngineMetrics(lambda: engine.stats)
+            engine.step_listeners.append(metrics.on_step)
+        self.metrics = metrics
         self.created = int(time.time())
 
     # -- app -------------------------------------------------------------------------------------
@@ -396,11 +401,18 @@ def serve_engine_app(engine: AsyncLLM, app: FastAPI, args) -> None:
 
 
 def run_server(args) -> None:
-    """`vlmserve serve`: builds the engine, then serves until Ctrl-C / SIGTERM."""
+    """`vlmserve serve`: builds the engine (or, with --replicas, the replicas on Ray
+    Serve), then serves until Ctrl-C / SIGTERM."""
     from vlmserve.entrypoints.cli import engine_args_from
 
-    engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
+    if args.replicas or args.max_replicas:
+        from vlmserve.entrypoints.openai.replicas import ReplicaMetrics, start_replicas
+
+        engine = start_replicas(args, engine_args_from(args))
+        metrics = ReplicaMetrics(engine)
+    else:
+        engine, metrics = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests), None
     name = args.served_model_name or served_name(args.model, engine.engine.model_path)
-    server = OpenAIServer(engine, name, api_key=args.api_key)
+    server = OpenAIServer(engine, name, api_key=args.api_key, metrics=metrics)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args)

@@ -1,0 +1,192 @@
+"""`vlmserve serve --replicas 2`: two engine replicas on a local Ray cluster (Ray Serve)
+behind one ingress, driven by the official client. The single server's API tests pass
+against it unchanged; then what replicas add: picture-aware routing, a queue that sends
+requests elsewhere, a replica killed mid-stream, the drain on SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+
+import openai
+import pytest
+
+import test_openai_server as single
+from conftest import make_image
+from test_openai_server import KEY, Server, data_url, image_chat
+
+pytestmark = pytest.mark.slow  # a Ray cluster and two engines
+
+
+@pytest.fixture(scope="module")
+def server(qwen25_path, media_dir):
+    s = Server(qwen25_path, "--replicas", "2", "--replica-cpus", "1", "--affinity-imbalance", "3",
+               "--api-key", KEY, "--allowed-local-media-path", str(media_dir), "--max-request-mb", "1",
+               "--num-kv-blocks", "512")
+    yield s
+    s.stop()
+
+
+media_dir = single.media_dir
+
+
+def replica_series(server: Server, name: str) -> dict[str, float]:
+    """A replica-labelled series of the ingress's /metrics, summed per replica."""
+    text = _metrics_text(server)
+    out: dict[str, float] = {}
+    for labels, value in re.findall(rf"^vlmserve:{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        replica = re.search(r'replica="([^"]+)"', labels)
+        if replica:
+            out[replica.group(1)] = out.get(replica.group(1), 0.0) + float(value)
+    return out
+
+
+def _metrics_text(server: Server) -> str:
+    import httpx
+
+    return httpx.get(server.base + "/metrics").text
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def chat(client, picture, text: str, **kwargs):
+    return client.chat.completions.create(model="tiny", max_tokens=kwargs.pop("max_tokens", 4), temperature=0,
+                                          messages=image_chat(data_url(picture), text), **kwargs)
+
+
+# ----------------------------------------------------------------------------- the same API
+@pytest.mark.parametrize("test", [
+    single.test_chat_with_images_streamed_and_not_equal_to_the_llm_api,
+    single.test_n_stop_logprobs,
+    single.test_errors_have_the_right_status_and_the_next_request_works,
+    single.test_more_of_the_api_equals_the_llm_api,
+    single.test_resolution_per_request,
+    single.test_json_schema_through_parse_and_streaming,
+    single.test_named_and_required_tool_calls_then_the_tool_result,
+    single.test_sampling_parameters_over_the_api,
+    single.test_a_client_that_hangs_up_on_a_plain_request_aborts_it,
+], ids=lambda t: t.__name__)
+def test_the_single_servers_tests_pass(test, server, qwen25_path, media_dir):
+    import inspect
+
+    available = {"server": server, "qwen25_path": qwen25_path, "media_dir": media_dir}
+    test(**{name: available[name] for name in inspect.signature(test).parameters})
+
+
+def test_models_health_and_metrics_of_the_ingress(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]  # the served model, once
+    import httpx
+
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    wait_for(lambda: len(replica_series(server, "num_requests_running")) == 2, what="both replicas' series")
+    text = _metrics_text(server)
+    assert re.search(r"^vlmserve:replicas_healthy 2\.0$", text, re.M)
+    assert "vlmserve:router_decisions_total" in text and "vlmserve:router_pictures_total" in text
+
+
+# ----------------------------------------------------------------------------- routing
+def test_the_same_picture_in_two_chats_is_served_by_one_replica(server):
+    client = server.client()
+    picture = make_image(150, 110, seed=301)
+    first = chat(client, picture, "Describe the image.")
+    assert first.usage.media == {"encoded": 1, "encoder_cache": 0, "prefix_cache": 0}
+    second = chat(client, picture, "How many shapes are there?")  # another chat, the same picture
+    assert second.usage.media["encoded"] == 0  # its embeddings came from that replica's caches
+    assert second.usage.media["encoder_cache"] + second.usage.media["prefix_cache"] == 1
+
+
+def test_different_pictures_spread_over_both_replicas(server):
+    client = server.client()
+    before = replica_series(server, "prompt_tokens_total")
+    for i in range(6):
+        chat(client, make_image(120 + i, 100, seed=400 + i), "Describe the image.")
+    wait_for(lambda: all(replica_series(server, "prompt_tokens_total").get(r, 0) > before.get(r, 0)
+                         for r in replica_series(server, "prompt_tokens_total")) and
+             len(replica_series(server, "prompt_tokens_total")) == 2, what="both replicas to serve")
+
+
+def test_a_queue_on_one_replica_sends_new_requests_to_the_other(server):
+    """Long answers about one picture pile up on the replica that has it; past 3 more in
+    flight than the other one, the next goes to the other."""
+    client = server.client()
+    picture = make_image(140, 100, seed=501)
+    chat(client, picture, "Describe the image.")
+    imbalanced = _decisions(server).get("imbalanced", 0)
+    streams = [chat(client, picture, f"Question {i}: what is in this picture?", max_tokens=2000, stream=True,
+                    extra_body={"ignore_eos": True}) for i in range(6)]
+    try:
+        for s in streams:
+            next(iter(s))  # each has started
+        assert _decisions(server).get("imbalanced", 0) > imbalanced
+    finally:
+        for s in streams:
+            s.close()
+
+
+def _decisions(server: Server) -> dict[str, float]:
+    return {d: float(v) for d, v in re.findall(r'^vlmserve:router_decisions_total\{decision="(\w+)"\} (\S+)$',
+                                               _metrics_text(server), re.M)}
+
+
+# ----------------------------------------------------------------------------- faults
+def test_a_replica_killed_mid_stream(server):
+    """Its stream ends with an OpenAI-format error (no hang), the next request goes to
+    the survivor, and Ray Serve starts a new replica."""
+    import ray
+
+    client = server.client()
+    stream = client.chat.completions.create(model="tiny", max_tokens=5000, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            messages=[{"role": "user", "content": "Describe the image. " * 3}])
+    chunks = iter(stream)
+    next(chunks)
+    wait_for(lambda: any(v > 0 for v in replica_series(server, "num_requests_running").values()), what="a report")
+    busy = next(r for r, v in replica_series(server, "num_requests_running").items() if v > 0)
+    ray.init(address="auto", log_to_driver=False)
+    try:
+        names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + busy)]
+        ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]))
+        started = time.time()
+        with pytest.raises(openai.APIError, match="the replica serving this request failed"):
+            for _ in chunks:
+                pass
+        assert time.time() - started < 30
+        assert client.chat.completions.create(model="tiny", max_tokens=3,
+                                              messages=[{"role": "user", "content": "hello"}]).usage.completion_tokens
+        wait_for(lambda: len([a for a in ray.util.list_named_actors(all_namespaces=True)
+                              if "SERVE_REPLICA" in a["name"]]) == 2 and
+                 len(replica_series(server, "num_requests_running")) == 2 and busy not in
+                 replica_series(server, "num_requests_running"), timeout=90, what="a new replica")
+    finally:
+        ray.shutdown()
+
+
+def test_sigterm_drains_then_the_cluster_is_gone(server):
+    """Last: a request in flight when SIGTERM comes is answered in full; then the server
+    exits and the local Ray cluster it started goes with it."""
+    client = server.client()
+    result: dict = {}
+
+    def ask():
+        result["out"] = client.chat.completions.create(model="tiny", max_tokens=1500, extra_body={"ignore_eos": True},
+                                                       messages=[{"role": "user", "content": "hello"}])
+
+    t = threading.Thread(target=ask)
+    t.start()
+    wait_for(lambda: sum(replica_series(server, "num_requests_running").values()) > 0, what="the request to run")
+    assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)  # as the single server: uvicorn re-raises it
+    t.join(timeout=30)
+    assert result["out"].usage.completion_tokens == 1500
+    wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::ServeReplica"], capture_output=True).returncode != 0,
+             timeout=20, what="the replicas to stop")

@@ -1,0 +1,323 @@
+"""`vlmserve serve --replicas N`: engine replicas as a Ray Serve deployment, behind the
+same OpenAI server (routes, streaming, errors, auth, HTTP limits, drain) as the
+single-process `serve`.
+
+The ingress is this process: it renders chats with the checkpoint's template, hashes each
+request's pictures from their bytes (no decoding) and hands the request to Ray Serve's
+handle, whose router (`affinity_router.PictureAffinityRouter`) picks the replica. Each
+replica is an `AsyncLLM` (media processing, the engine) that streams `RequestOutput`s
+back. Replicas push their /metrics text to a small hub actor every second; the ingress
+serves them all with a `replica` label, plus its routing counters. Ray Serve restarts a
+replica that dies; the requests it was serving end with an OpenAI-format error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError
+from vlmserve.engine.chat import render_chat
+from vlmserve.engine.input_processor import MODALITIES, PromptInput
+from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
+from vlmserve.entrypoints.openai.affinity_router import KEYS_KWARG, PICTURE_KEY, PictureAffinityRouter
+from vlmserve.entrypoints.openai.routing_stats import ROUTING
+from vlmserve.metrics import PREFIX, EngineMetrics
+from vlmserve.multimodal.hashing import mm_hash
+from vlmserve.multimodal.media import MediaLoader
+from vlmserve.multimodal.processor import normalize_settings
+from vlmserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+APP = "vlmserve"
+HUB = "vlmserve-metrics-hub"
+PUSH_SECONDS = 1.0
+STALE_SECONDS = 5.0  # a replica that has not reported for this long is not counted healthy
+TEXT_KEY_CHARS = 2000  # the opening text that names a text-only prompt
+
+
+# ----------------------------------------------------------------------------- routing keys
+def affinity_keys(loader: MediaLoader, prompt: PromptInput, default_settings: dict[str, Any]) -> list[str]:
+    """What a replica that served a request holds in its caches, as the router keys it:
+    the mm_hash of each picture and video (from their bytes, as the replica will hash
+    them; a source that cannot be read is left out: the replica reports the error), or
+    for a prompt without media its opening text (TEXT_KEY_CHARS). Pictures decide alone
+    where there are some: a system prompt that every chat shares would draw them all to
+    one replica."""
+    keys = []
+    for modality in MODALITIES:
+        for i, source in enumerate(prompt.media.get(modality, [])):
+            try:
+                raw = loader.read(source, modality)
+                settings = normalize_settings({**default_settings, **prompt.settings_for(modality, i)})
+            except ValueError:
+                continue
+            keys.append(PICTURE_KEY + mm_hash(modality, raw.content, settings))
+    if keys or not prompt.prompt:
+        return keys
+    return ["text:" + hashlib.blake2b(prompt.prompt[:TEXT_KEY_CHARS].encode(), digest_size=16).hexdigest()]
+
+
+# ----------------------------------------------------------------------------- replicas
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """The replicas' latest /metrics text, by replica."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, tuple[float, str]] = {}
+
+    def report(self, replica: str, text: str) -> None:
+        self.reports[replica] = (time.time(), text)
+
+    def forget(self, replica: str) -> None:
+        self.reports.pop(replica, None)
+
+    def all(self) -> dict[str, tuple[float, str]]:
+        return dict(self.reports)
+
+
+class EngineReplica:
+    """One engine (an AsyncLLM) in a Ray Serve replica."""
+
+    def __init__(self, engine_args: EngineArgs, max_pending_requests: int, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.engine = AsyncLLM(engine_args, max_pending_requests=max_pending_requests)
+        self.metrics = EngineMetrics(lambda: self.engine.stats)
+        self.engine.step_listeners.append(self.metrics.on_step)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.hub = ray.get_actor(HUB, namespace=APP)
+        self.pusher = asyncio.get_event_loop().create_task(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        while True:
+            try:
+                await self.hub.report.remote(self.name, self.metrics.render().decode())
+            except Exception:  # the hub is gone: the server is stopping
+                logger.debug("metrics push failed", exc_info=True)
+            await asyncio.sleep(PUSH_SECONDS)
+
+    async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
+                       cache_salt: str | None = None, affinity_keys: list[str] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs (affinity_keys are the router's; unused here). Cancelled
+        (the client hung up, the ingress cancels): the engine's generator is closed at
+        once, which aborts the request."""
+        outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    def info(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.engine.max_model_len}
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose engine stopped."""
+        if not self.engine.is_alive():
+            raise RuntimeError("the engine stopped")
+
+    def __del__(self) -> None:
+        self.pusher.cancel()
+        self.engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- ingress
+@dataclass
+class ChatFront:
+    """What the OpenAI server needs of an engine's front end, without a model: the
+    tokenizer (logprob tokens), the chat template, the context length, the checkpoint's
+    sampling defaults (the members an LLMEngine has under the same names)."""
+
+    hf_processor: Any
+    max_model_len: int
+    sampling_defaults: dict[str, Any]
+    model_path: str
+
+    @property
+    def tokenizer(self):
+        return self.hf_processor.tokenizer
+
+    def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None) -> PromptInput:
+        return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools)
+
+
+@dataclass
+class ReplicaPool:
+    """The engine as the OpenAI server sees it (generate, health, abort, shutdown),
+    over a Ray Serve handle to the replicas."""
+
+    handle: Any
+    engine: ChatFront
+    loader: MediaLoader
+    default_mm_kwargs: dict[str, Any]
+    hub: Any
+    started_ray: bool  # this process called ray.init
+    joined_cluster: bool  # ... of a cluster that was already there (--ray-address)
+    death_listeners: list = field(default_factory=list)  # (replicas are restarted, never the pool)
+    in_flight: dict[str, Any] = field(default_factory=dict)  # request id -> its response stream
+    shutdown_error: str | None = None
+
+    async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.shutdown_error:
+            raise EngineDeadError(self.shutdown_error)
+        loop = asyncio.get_running_loop()
+        keys = await loop.run_in_executor(None, affinity_keys, self.loader, prompt, self.default_mm_kwargs)
+        stream = self.handle.options(stream=True).generate.remote(
+            request_id, prompt, params, priority, cache_salt, **{KEYS_KWARG: keys})
+        self.in_flight[request_id] = stream
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    raise EngineDeadError("the replica ended the request without an answer") from None
+                except (asyncio.CancelledError, GeneratorExit):
+                    raise
+                except ray.exceptions.RayTaskError as e:  # raised by the replica's engine: as it was
+                    raise e.cause if isinstance(e.cause, Exception) else EngineDeadError(str(e)) from None
+                except Exception as e:  # the replica died, or the server is stopping
+                    raise EngineDeadError(self.shutdown_error or f"the replica serving this request failed "
+                                          f"({type(e).__name__}); send it again") from None
+                finished = out.finished
+                yield out
+        finally:
+            self.in_flight.pop(request_id, None)
+            if not finished:
+                stream.cancel()  # the replica's generator is cancelled: its engine aborts the request
+
+    def healthy_replicas(self) -> dict[str, str]:
+        """The replicas that reported in the last STALE_SECONDS: name -> metrics text."""
+        now = time.time()
+        return {name: text for name, (at, text) in ray.get(self.hub.all.remote()).items() if now - at < STALE_SECONDS}
+
+    def is_alive(self) -> bool:
+        try:
+            return bool(self.healthy_replicas())
+        except Exception:
+            return False
+
+    def abort_all(self, error: str) -> None:
+        self.shutdown_error = error
+        for stream in list(self.in_flight.values()):
+            stream.cancel()
+
+    def shutdown(self) -> None:
+        """After the drain: the local cluster this server started goes with it; on a
+        cluster it joined, its application is deleted."""
+        for stream in list(self.in_flight.values()):
+            stream.cancel()
+        if self.started_ray and not self.joined_cluster:
+            ray.shutdown()  # stops every process of the local cluster
+            return
+        try:
+            serve.delete(APP, _blocking=False)
+            ray.kill(self.hub)
+        except Exception:
+            logger.warning("could not delete the replicas' application", exc_info=True)
+        if self.started_ray:
+            ray.shutdown()
+
+
+class ReplicaMetrics(Collector):
+    """/metrics of the ingress: every healthy replica's series with a `replica` label,
+    the number of healthy replicas, and the router's decisions."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        reports = self.pool.healthy_replicas()
+        for name, text in sorted(reports.items()):
+            for family in text_string_to_metric_families(text):
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for s in family.samples:
+                    into.add_sample(s.name, {**s.labels, "replica": name}, s.value, s.timestamp)
+        yield from merged.values()
+        yield GaugeMetricFamily(f"{PREFIX}replicas_healthy", "Replicas that reported in the last few seconds.",
+                                value=len(reports))
+        decisions = CounterMetricFamily(f"{PREFIX}router_decisions", "Requests routed, by why the replica was chosen "
+                                        "(affinity: it held most of the request's prefix and pictures; least_loaded: "
+                                        "none did; imbalanced: it did but was too busy).", labels=["decision"])
+        with ROUTING.lock:
+            for decision, n in sorted(ROUTING.decisions.items()):
+                decisions.add_metric([decision], n)
+            keys, hits = ROUTING.picture_keys, ROUTING.picture_hits
+        yield decisions
+        yield CounterMetricFamily(f"{PREFIX}router_pictures", "Pictures and videos in routed requests.", value=keys)
+        yield CounterMetricFamily(f"{PREFIX}router_picture_hits", "Pictures routed to a replica that had seen them "
+                                  "(the affinity hit rate is this over router_pictures).", value=hits)
+
+
+def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
+    """Joins the Ray cluster at --ray-address (or starts a local one), deploys the
+    replicas and waits until they are up."""
+    started = not ray.is_initialized()
+    if started:
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(address=args.ray_address, namespace=APP, log_to_driver=False, include_dashboard=False)
+        for sig, handler in handlers.items():  # Ray's would exit at once; the server drains first
+            signal.signal(sig, handler)
+    serve.start(http_options={"location": "NoServer"})  # HTTP is this process's own server
+    hub = MetricsHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
+    autoscaling = None
+    if args.max_replicas:
+        autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                        target_ongoing_requests=args.target_ongoing_requests,
+                                        initial_replicas=max(args.min_replicas, min(args.replicas, args.max_replicas)))
+    options: dict[str, Any] = dict(
+        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        max_ongoing_requests=args.max_pending_requests,
+        health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
+    )
+    if autoscaling:
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = args.replicas
+    if args.router == "affinity":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=f"{PictureAffinityRouter.__module__}.{PictureAffinityRouter.__name__}",
+            request_router_kwargs={"imbalance": args.affinity_imbalance})
+    deployment = serve.deployment(EngineReplica, name="engine").options(**options)
+    threads = max(1, int(args.replica_cpus))
+    handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads), name=APP,
+                       route_prefix=None)
+    model_path = resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
+    from transformers import AutoProcessor
+
+    info = handle.info.remote().result()
+    front = ChatFront(AutoProcessor.from_pretrained(model_path), info["max_model_len"],
+                      sampling_defaults(model_path) if engine_args.generation_config == "auto" else {}, model_path)
+    pool = ReplicaPool(handle, front, MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs),
+                       hub, started, joined_cluster=args.ray_address is not None)
+    deadline = time.time() + 60
+    while not pool.is_alive() and time.time() < deadline:  # the first metrics push
+        time.sleep(0.2)
+    return pool
+
