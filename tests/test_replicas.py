@@ -75,6 +75,8 @@ def chat(client, picture, text: str, **kwargs):
     single.test_named_and_required_tool_calls_then_the_tool_result,
     single.test_sampling_parameters_over_the_api,
     single.test_a_client_that_hangs_up_on_a_plain_request_aborts_it,
+    single.test_concurrent_streams_hangups_and_health_under_load,
+    single.test_metrics_lists_every_series,
 ], ids=lambda t: t.__name__)
 def test_the_single_servers_tests_pass(test, server, qwen25_path, media_dir):
     import inspect
@@ -93,6 +95,29 @@ def test_models_health_and_metrics_of_the_ingress(server):
     text = _metrics_text(server)
     assert re.search(r"^vlmserve:replicas_healthy 2\.0$", text, re.M)
     assert "vlmserve:router_decisions_total" in text and "vlmserve:router_pictures_total" in text
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--replicas", "3", "--replica-cpus", "4", "--replica-gpus", "0.5"], {"num_replicas": 3}),
+    (["--replicas", "2", "--min-replicas", "1", "--max-replicas", "6", "--target-ongoing-requests", "12"],
+     {"autoscaling": (1, 6, 12.0, 2)}),
+])
+def test_the_flags_map_to_ray_serve_options(flags, expected):
+    from vlmserve.entrypoints.cli import build_parser
+    from vlmserve.entrypoints.openai.replicas import replica_options
+
+    args = build_parser().parse_args(["serve", *flags])
+    options = replica_options(args)
+    assert options["ray_actor_options"] == {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}
+    assert options["request_router_config"].request_router_class.endswith("PictureAffinityRouter")
+    if "num_replicas" in expected:
+        assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    else:
+        a = options["autoscaling_config"]
+        assert (a.min_replicas, a.max_replicas, a.target_ongoing_requests, a.initial_replicas) == expected["autoscaling"]
+        assert "num_replicas" not in options
+    assert "request_router_config" not in replica_options(build_parser().parse_args(
+        ["serve", *flags, "--router", "default"]))
 
 
 # ----------------------------------------------------------------------------- routing

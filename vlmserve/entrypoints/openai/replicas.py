@@ -275,17 +275,9 @@ class ReplicaMetrics(Collector):
                                   "(the affinity hit rate is this over router_pictures).", value=hits)
 
 
-def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
-    """Joins the Ray cluster at --ray-address (or starts a local one), deploys the
-    replicas and waits until they are up."""
-    started = not ray.is_initialized()
-    if started:
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        ray.init(address=args.ray_address, namespace=APP, log_to_driver=False, include_dashboard=False)
-        for sig, handler in handlers.items():  # Ray's would exit at once; the server drains first
-            signal.signal(sig, handler)
-    serve.start(http_options={"location": "NoServer"})  # HTTP is this process's own server
-    hub = MetricsHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
+def replica_options(args) -> dict[str, Any]:
+    """The deployment's Ray Serve options from serve's flags: resources per replica, a
+    fixed number of replicas or autoscaling, the router."""
     autoscaling = None
     if args.max_replicas:
         autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
@@ -304,7 +296,21 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=f"{PictureAffinityRouter.__module__}.{PictureAffinityRouter.__name__}",
             request_router_kwargs={"imbalance": args.affinity_imbalance})
-    deployment = serve.deployment(EngineReplica, name="engine").options(**options)
+    return options
+
+
+def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
+    """Joins the Ray cluster at --ray-address (or starts a local one), deploys the
+    replicas and waits until they are up."""
+    started = not ray.is_initialized()
+    if started:
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(address=args.ray_address, namespace=APP, log_to_driver=False, include_dashboard=False)
+        for sig, handler in handlers.items():  # Ray's would exit at once; the server drains first
+            signal.signal(sig, handler)
+    serve.start(http_options={"location": "NoServer"})  # HTTP is this process's own server
+    hub = MetricsHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
+    deployment = serve.deployment(EngineReplica, name="engine").options(**replica_options(args))
     threads = max(1, int(args.replica_cpus))
     handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads), name=APP,
                        route_prefix=None)
