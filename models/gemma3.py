@@ -23,7 +23,7 @@ from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingW
 from vlmserve.kernels import ops
 from vlmserve.models.base import VisionLanguageModel
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import (ACTIVATIONS, FusedLinear, GatedMLP, Linear, PagedAttention, ZeroCenteredRMSNorm,
+from vlmserve.models.layers import (ACTIVATIONS, FusedLinear, GatedMLP, Linear, QKNormAttention, ZeroCenteredRMSNorm,
                                     rope_inv_freq)
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -129,27 +129,10 @@ def layer_inv_freq(cfg, layer_type: str, head_dim: int) -> torch.Tensor:
     return inv_freq / rope.get("factor", 1.0) if kind == "linear" else inv_freq
 
 
-class Attention(PagedAttention):
-    def __init__(self, cfg, layer_id: int) -> None:
-        super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
-        self.scale = cfg.query_pre_attn_scalar**-0.5
-        self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, h, cos, sin, ctx: ForwardContext):
-        n = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = QKNormAttention(cfg, layer_id, ZeroCenteredRMSNorm, cfg.query_pre_attn_scalar**-0.5)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_activation)
         eps = cfg.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)

@@ -183,3 +183,23 @@ class PagedAttention(nn.Module):
         n = q.shape[0]
         out = ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return out.reshape(n, self.q_size)
+
+
+class QKNormAttention(PagedAttention):
+    """Attention with a norm over each head's queries and keys before the rotary (Qwen3's
+    RMSNorm; Gemma 3's zero-centred one, with its own query scale)."""
+
+    def __init__(self, cfg, layer_id: int, norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None) -> None:
+        super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
+        self.scale = scale or self.scale
+        self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]))

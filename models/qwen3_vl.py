@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
-from vlmserve.kernels import ops
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import ACTIVATIONS, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.layers import ACTIVATIONS, Linear, QKNormAttention, RMSNorm, mrope_positions, rope_inv_freq
 from vlmserve.models.moe import feed_forward
 from vlmserve.models.vision import VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -107,28 +106,10 @@ class VisionTransformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- text
-class Attention(PagedAttention):
-    """Qwen3's attention: RMSNorm over each head's queries and keys before the rotary."""
-
-    def __init__(self, cfg, layer_id: int) -> None:
-        super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def forward(self, h, cos, sin, ctx: ForwardContext):
-        n = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = QKNormAttention(cfg, layer_id)  # Qwen3's: RMSNorm over each head's q and k
         self.mlp = feed_forward(cfg, layer_id)  # dense, or experts (Qwen3-VL-MoE)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

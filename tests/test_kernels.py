@@ -84,6 +84,17 @@ def test_paged_attention_equals_dense_attention(impl, q_heads, kv_heads, window,
         start += n
 
 
+def assert_equals_dense(out, q, history, new_k, new_v, query_lens, scale, window=None, key_ends=None, tol=2e-5):
+    """Each sequence's rows of a paged attention's output against dense_attention."""
+    start = 0
+    for i, ((keys, values), n) in enumerate(zip(history, query_lens)):
+        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
+                              torch.cat([values, new_v[start : start + n]]), scale, window,
+                              None if key_ends is None else key_ends[i])
+        torch.testing.assert_close(out[start : start + n].double(), ref, atol=tol, rtol=tol)
+        start += n
+
+
 def bidirectional_case(block_size: int):
     """Sequences whose step holds pictures that attend both ways: a run inside the step,
     one whose start is in the cached prefix (a prefix hit mid-picture), a run longer
@@ -117,12 +128,7 @@ def test_paged_attention_with_pictures_that_attend_both_ways(impl, window, block
     q = torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(3))
     fn = paged_attention if impl == "portable" else paged_attention_cpu
     out = fn(q, new_k, new_v, k_cache, v_cache, meta, 0.25)
-    start = 0
-    for (keys, values), n, ends in zip(history, query_lens, key_ends):
-        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
-                              torch.cat([values, new_v[start : start + n]]), 0.25, window, ends)
-        torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
-        start += n
+    assert_equals_dense(out, q, history, new_k, new_v, query_lens, 0.25, window, key_ends)
     causal = fn(q, new_k, new_v, k_cache, v_cache,
                 build_attention_metadata(tables, num_computed, query_lens, block_size, window), 0.25)
     assert not torch.allclose(causal, out)  # the mask made a difference

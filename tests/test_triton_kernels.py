@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_kernels import bidirectional_case, dense_attention, paged_case
+from test_kernels import assert_equals_dense, bidirectional_case, dense_attention, paged_case
 from vlmserve.kernels import attention, gdn, linear, norms, rotary
 from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # conftest turned the interpreter on
 from vlmserve.models.layers import mrope_cos_sin, rope_inv_freq
@@ -48,12 +48,7 @@ def test_paged_attention_with_pictures_that_attend_both_ways(window):
                                               key_ends=np.concatenate(key_ends))
     q = torch.randn(sum(query_lens), 4, 16, generator=torch.Generator().manual_seed(3))
     out = triton_attention.paged_attention_triton(q, new_k, new_v, k_cache, v_cache, meta, 0.25)
-    start = 0
-    for (keys, values), n, ends in zip(history, query_lens, key_ends):
-        ref = dense_attention(q[start : start + n], torch.cat([keys, new_k[start : start + n]]),
-                              torch.cat([values, new_v[start : start + n]]), 0.25, window, ends)
-        torch.testing.assert_close(out[start : start + n].double(), ref, atol=2e-5, rtol=2e-5)
-        start += n
+    assert_equals_dense(out, q, history, new_k, new_v, query_lens, 0.25, window, key_ends)
 
 
 def test_kv_cache_write_and_varlen_attention():
