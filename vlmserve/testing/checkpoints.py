@@ -104,8 +104,10 @@ _DEFAULT_CORPUS = [
 ]
 
 
-def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 512):
-    """A byte-level BPE tokenizer (any text encodes) with Qwen's special tokens."""
+def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 512,
+                    special_tokens: list[str] = SPECIAL_TOKENS, **named_tokens):
+    """A byte-level BPE tokenizer (any text encodes) with a family's special tokens (Qwen's
+    by default) and their roles (eos_token=..., extra_special_tokens=...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -114,14 +116,13 @@ def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator((corpus or _DEFAULT_CORPUS) * 4, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
-    )
+    roles = named_tokens or dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
 
 
 def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
@@ -544,20 +545,12 @@ def build_gemma3(
     window (the released models: 6, 1024); SigLIP tower pooled to mm_tokens_per_image.
     Pan-and-scan is set as released: off unless asked for, then with the processor's
     defaults (crops of 256 px or more, for pictures over 1.2:1)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor,
-                              PreTrainedTokenizerFast)
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator((corpus or _DEFAULT_CORPUS) * 4, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=GEMMA_SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+    tokenizer = build_tokenizer(
+        corpus, vocab_size, GEMMA_SPECIAL_TOKENS, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # single tokens in Gemma's vocabulary (vLLM relies on it)
