@@ -200,18 +200,17 @@ def test_a_replica_killed_mid_stream(server):
 def test_sigterm_drains_then_the_cluster_is_gone(server):
     """Last: a request in flight when SIGTERM comes is answered in full; then the server
     exits and the local Ray cluster it started goes with it."""
-    client = server.client()
-    result: dict = {}
-
-    def ask():
-        result["out"] = client.chat.completions.create(model="tiny", max_tokens=1500, extra_body={"ignore_eos": True},
-                                                       messages=[{"role": "user", "content": "hello"}])
-
-    t = threading.Thread(target=ask)
-    t.start()
-    wait_for(lambda: sum(replica_series(server, "num_requests_running").values()) > 0, what="the request to run")
-    assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)  # as the single server: uvicorn re-raises it
-    t.join(timeout=30)
-    assert result["out"].usage.completion_tokens == 1500
+    stream = server.client().chat.completions.create(
+        model="tiny", max_tokens=1500, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": "hello"}])
+    chunks = iter(stream)
+    next(chunks)  # the server answers a stream once its first output is there: it is in flight
+    code: list[int] = []
+    stopper = threading.Thread(target=lambda: code.append(server.stop(signal.SIGTERM)))
+    stopper.start()
+    usage = [c.usage for c in chunks if c.usage is not None]
+    stopper.join()
+    assert usage[0].completion_tokens == 1500
+    assert code[0] in (0, -signal.SIGTERM)  # as the single server: uvicorn re-raises it
     wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::ServeReplica"], capture_output=True).returncode != 0,
              timeout=20, what="the replicas to stop")

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from test_openai_server import Server
+from conftest import make_image
+from test_openai_server import Server, data_url, image_chat
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,11 @@ POISON = [
     ("max_pixels a list", "chat", {**CHAT, "mm_processor_kwargs": {"max_pixels": [1]}}, None, "max_pixels"),
     ("max_pixels 1e400", "chat", json.dumps(CHAT)[:-1].encode() + b', "mm_processor_kwargs": {"max_pixels": 1e400}}',
      None, "max_pixels"),
+    ("pan-and-scan asked of a model without it", "chat",
+     {**CHAT, "messages": image_chat(data_url(make_image(60, 40, 3))), "mm_processor_kwargs": {"do_pan_and_scan": True}},
+     None, "no pan-and-scan"),
+    ("do_pan_and_scan a string", "chat", {**CHAT, "mm_processor_kwargs": {"do_pan_and_scan": "yes"}}, None,
+     "true or false"),
     ("an ftp URL", "chat", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}}]}]}, None, "unsupported URL scheme"),
     ("a JSON list", "chat", b'[{"messages": []}]', None, "JSON object"),

@@ -280,9 +280,15 @@ class ModelRunner:
     def _key_ends(self, step: StepInputs) -> np.ndarray | None:
         """The last key each query token sees, where the step holds media whose tokens
         attend to each other both ways (the scheduler never cuts one); None: causal."""
+        if not self.model.bidirectional_media:
+            return None
         ends, token_start = None, 0
         for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
-            for f in self.input_batch.states[row].mm_features:
+            state = self.input_batch.states[row]
+            if c >= state.num_prompt_tokens:  # a decode: past every picture
+                token_start += q
+                continue
+            for f in state.mm_features:
                 lo, hi = max(c, f.offset), min(c + q, f.end)
                 if not f.bidirectional or lo >= hi:
                     continue
