@@ -96,8 +96,8 @@ class LoadResult:
     completed: int = 0
     errors: list[str] = field(default_factory=list)
     short: int = 0  # completed with another number of tokens than max_tokens
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_tokens: int = 0  # of the requests whose usage reports cached tokens (vLLM's does not by default)...
+    cached_tokens: int = 0  # ... and those served from the prefix cache
     pictures: int = 0  # pictures of the completed requests, as vlmserve's usage reports them...
     pictures_cached: int = 0  # ... and those whose embeddings came from the encoder or prefix cache
     client_cpu: float = 0.0
@@ -275,8 +275,9 @@ async def one_request(client: openai.AsyncOpenAI, job: Job, result: LoadResult) 
         return
     result.completed += 1
     result.tokens += tokens
-    result.prompt_tokens += usage.prompt_tokens
-    result.cached_tokens += (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+    if usage.prompt_tokens_details is not None:
+        result.prompt_tokens += usage.prompt_tokens
+        result.cached_tokens += usage.prompt_tokens_details.cached_tokens or 0
     media = (usage.model_extra or {}).get("media") or {}  # vlmserve's extension: where each picture came from
     result.pictures += sum(media.values())
     result.pictures_cached += media.get("encoder_cache", 0) + media.get("prefix_cache", 0)

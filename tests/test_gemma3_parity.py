@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import HFReference, make_image
-from test_qwen2_5_vl_parity import CASES, IMG_A, IMG_C, check, greedy, mixed_requests, request, run_together
+from test_qwen2_5_vl_parity import (CASES, IMG_A, IMG_C, assert_all_free, check, check_mixed_chunked_then_preempted,
+                                    greedy, request)
 from vlmserve import LLM, SamplingParams
 from vlmserve.testing.checkpoints import build_gemma3
 from vlmserve.worker.model_runner import ModelRunner
@@ -22,10 +23,6 @@ CROPS = {"wide": ("Describe the image.", [WIDE]), "wide_and_tall": ("What is in 
 
 def gemma(path, **kw):
     return LLM(path, num_kv_blocks=kw.pop("num_kv_blocks", 256), mm_processor_kwargs=PAN_AND_SCAN, **kw)
-
-
-def assert_all_free(llm):
-    assert not any(llm.engine.stats().blocks_in_use.values())
 
 
 @pytest.mark.parametrize("case", [*CASES, *CROPS])
@@ -51,17 +48,9 @@ def test_pan_and_scan_crops_are_runs_of_their_own(gemma3_path, hf_gemma3):
 
 
 def test_eight_mixed_requests_under_chunked_prefill_then_preempted(gemma3_path, hf_gemma3):
-    specs, prompts, params = mixed_requests(hf_gemma3)
-    chunked = gemma(gemma3_path, max_num_batched_tokens=50)  # the steps stop before pictures that do not fit
-    for out, (text, images, n) in zip(run_together(chunked, prompts, params), specs):
-        check(out, hf_gemma3, text, images, n, prompt_logprobs=True)
-    assert_all_free(chunked)
-    tiny = gemma(gemma3_path, num_kv_blocks=28, max_num_seqs=8)
-    outs = run_together(tiny, prompts, params)
-    assert tiny.engine.stats().num_preemptions > 0
-    for out, (text, images, n) in zip(outs, specs):
-        check(out, hf_gemma3, text, images, n, prompt_logprobs=True)
-    assert_all_free(tiny)
+    # steps of 50 tokens stop before the pictures that do not fit whole
+    check_mixed_chunked_then_preempted(hf_gemma3, gemma(gemma3_path, max_num_batched_tokens=50),
+                                       gemma(gemma3_path, num_kv_blocks=28, max_num_seqs=8))
 
 
 def test_prefix_cache_hit_ending_inside_a_picture(gemma3_path, hf_gemma3):

@@ -89,6 +89,23 @@ def run_together(llm, prompts, params):
     return [done[f"together-{i}"] for i in range(len(prompts))]
 
 
+def assert_all_free(llm):
+    assert not any(llm.engine.stats().blocks_in_use.values())
+
+
+def check_mixed_chunked_then_preempted(hf, chunked, tiny):
+    """The 8 mixed requests on an engine of small steps, then on one with too few KV
+    blocks (it must preempt): transformers' answers both times, every block given back."""
+    specs, prompts, params = mixed_requests(hf)
+    for llm in (chunked, tiny):
+        outs = run_together(llm, prompts, params)
+        if llm is tiny:
+            assert llm.engine.stats().num_preemptions > 0
+        for out, (text, images, n) in zip(outs, specs):
+            check(out, hf, text, images, n, prompt_logprobs=True)
+        assert_all_free(llm)
+
+
 def test_eight_mixed_requests_together(llm, hf_qwen25):
     specs, prompts, params = mixed_requests(hf_qwen25)
     outs = run_together(llm, prompts, params)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import HFReference
-from test_qwen2_5_vl_parity import CASES, IMG_A, IMG_C, check, greedy, mixed_requests, request, run_together
+from test_qwen2_5_vl_parity import (CASES, IMG_A, IMG_C, assert_all_free, check, check_mixed_chunked_then_preempted,
+                                    greedy, request)
 from vlmserve import LLM
 from vlmserve.models.moe import Experts as ExpertsLayer
 from vlmserve.models.moe import SparseMoE
@@ -26,10 +27,6 @@ def family(request):
     return request.getfixturevalue(f"{request.param}_path"), request.getfixturevalue(f"hf_{request.param}")
 
 
-def assert_all_free(llm):
-    assert not any(llm.engine.stats().blocks_in_use.values())
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_single_request_matches_transformers(family, case):
     path, hf = family
@@ -40,17 +37,8 @@ def test_single_request_matches_transformers(family, case):
 
 def test_eight_mixed_requests_under_chunked_prefill_then_preempted(family):
     path, hf = family
-    specs, prompts, params = mixed_requests(hf)
-    chunked = LLM(path, num_kv_blocks=256, max_num_batched_tokens=24)
-    for out, (text, images, n) in zip(run_together(chunked, prompts, params), specs):
-        check(out, hf, text, images, n, prompt_logprobs=True)
-    assert_all_free(chunked)
-    tiny = LLM(path, num_kv_blocks=24, max_num_seqs=8)
-    outs = run_together(tiny, prompts, params)
-    assert tiny.engine.stats().num_preemptions > 0
-    for out, (text, images, n) in zip(outs, specs):
-        check(out, hf, text, images, n, prompt_logprobs=True)
-    assert_all_free(tiny)
+    check_mixed_chunked_then_preempted(hf, LLM(path, num_kv_blocks=256, max_num_batched_tokens=24),
+                                       LLM(path, num_kv_blocks=24, max_num_seqs=8))
 
 
 def test_prefix_cache_hit(family):

@@ -171,13 +171,15 @@ def test_a_replica_killed_mid_stream(server):
     import ray
 
     client = server.client()
+    running = lambda: replica_series(server, "num_requests_running")  # noqa: E731
+    wait_for(lambda: len(running()) == 2 and not any(running().values()), what="earlier requests to end")
     stream = client.chat.completions.create(model="tiny", max_tokens=5000, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True},
                                             messages=[{"role": "user", "content": "Describe the image. " * 3}])
     chunks = iter(stream)
     next(chunks)
-    wait_for(lambda: any(v > 0 for v in replica_series(server, "num_requests_running").values()), what="a report")
-    busy = next(r for r, v in replica_series(server, "num_requests_running").items() if v > 0)
+    wait_for(lambda: any(running().values()), what="a report")  # the only request: ours
+    busy = next(r for r, v in running().items() if v > 0)
     ray.init(address="auto", log_to_driver=False)
     try:
         names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + busy)]

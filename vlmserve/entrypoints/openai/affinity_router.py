@@ -22,8 +22,7 @@ from vlmserve.entrypoints.openai import routing_stats
 
 KEYS_KWARG = "affinity_keys"  # the generate() keyword argument that carries a request's keys
 PICTURE_KEY = "mm:"  # keys of pictures and videos start with it; the prompt's text key with "text:"
-
-
+MAX_UNROUTED = 10_000  # decisions kept for requests not routed yet (one cancelled first never is)
 
 
 class PictureAffinityRouter(RequestRouter):
@@ -34,7 +33,7 @@ class PictureAffinityRouter(RequestRouter):
         self.in_flight: dict[ReplicaID, int] = {}
         self.turn = 0  # equally loaded replicas take turns
         self.request_replica: dict[str, ReplicaID] = {}  # internal request id -> its replica
-        self.pending_decision: dict[str, tuple[str, int, int]] = {}
+        self.pending_decision: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -62,6 +61,8 @@ class PictureAffinityRouter(RequestRouter):
             pictures = [k for k in keys if k.startswith(PICTURE_KEY)]
             hits = sum(self.owner.get(k) == chosen.replica_id for k in pictures)
             self.pending_decision[pending_request.metadata.internal_request_id] = (decision, len(pictures), hits)
+            while len(self.pending_decision) > MAX_UNROUTED:
+                self.pending_decision.popitem(last=False)
         return [[chosen], [r for r in by_load if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -84,5 +85,7 @@ class PictureAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.in_flight.pop(replica_id, None)
+        for request_id in [r for r, replica in self.request_replica.items() if replica == replica_id]:
+            del self.request_replica[request_id]
         for key in [k for k, owner in self.owner.items() if owner == replica_id]:
             del self.owner[key]
