@@ -9,6 +9,11 @@ replica is an `AsyncLLM` (media processing, the engine) that streams `RequestOut
 back. Replicas push their /metrics text to a small hub actor every second; the ingress
 serves them all with a `replica` label, plus its routing counters. Ray Serve restarts a
 replica that dies; the requests it was serving end with an OpenAI-format error.
+
+A request the ingress gives up on (its client hung up) is cancelled through Ray Serve,
+which is best effort: a cancel that crosses the request's start on the replica is lost.
+So the ingress also posts its id to the hub, and each replica, when it pushes its
+metrics, takes the ids posted since and aborts those it serves.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ from vlmserve.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 APP = "vlmserve"
-HUB = "vlmserve-metrics-hub"
-PUSH_SECONDS = 1.0
+HUB = "vlmserve-replica-hub"
+PUSH_SECONDS = 1.0  # also the longest a given-up request runs on when Ray's cancel is lost
+ABORT_MEMORY_SECONDS = 600.0  # a given-up request that reaches its replica later than this runs
 STALE_SECONDS = 5.0  # a replica that has not reported for this long is not counted healthy
 TEXT_KEY_CHARS = 2000  # the opening text that names a text-only prompt
 
@@ -76,14 +82,27 @@ def affinity_keys(loader: MediaLoader, prompt: PromptInput, default_settings: di
 
 # ----------------------------------------------------------------------------- replicas
 @ray.remote(num_cpus=0)
-class MetricsHub:
-    """The replicas' latest /metrics text, by replica."""
+class ReplicaHub:
+    """The replicas' latest /metrics text, by replica, and the requests the ingress gave
+    up on, numbered in the order they were posted."""
 
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, str]] = {}
+        self.given_up: dict[str, tuple[int, float]] = {}  # request id -> (number, when)
+        self.posted = 0
 
-    def report(self, replica: str, text: str) -> None:
+    def give_up(self, request_id: str) -> None:
+        self.posted += 1
+        now = time.time()
+        self.given_up[request_id] = (self.posted, now)
+        for rid in [r for r, (_, at) in self.given_up.items() if now - at > ABORT_MEMORY_SECONDS]:
+            del self.given_up[rid]
+
+    def report(self, replica: str, text: str, seen: int) -> tuple[int, list[str]]:
+        """Stores a replica's metrics; returns the last number and the requests given up
+        on after number `seen`."""
         self.reports[replica] = (time.time(), text)
+        return self.posted, [rid for rid, (n, _) in self.given_up.items() if n > seen]
 
     def forget(self, replica: str) -> None:
         self.reports.pop(replica, None)
@@ -104,25 +123,42 @@ class EngineReplica:
         self.engine.step_listeners.append(self.metrics.on_step)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.hub = ray.get_actor(HUB, namespace=APP)
+        self.given_up: dict[str, float] = {}  # request id -> when the ingress gave up on it
         self.pusher = asyncio.get_event_loop().create_task(self._push_metrics())
 
     async def _push_metrics(self) -> None:
+        seen = 0
         while True:
             try:
-                await self.hub.report.remote(self.name, self.metrics.render().decode())
+                seen, given_up = await self.hub.report.remote(self.name, self.metrics.render().decode(), seen)
+                self._give_up(given_up)
             except Exception:  # the hub is gone: the server is stopping
                 logger.debug("metrics push failed", exc_info=True)
             await asyncio.sleep(PUSH_SECONDS)
+
+    def _give_up(self, request_ids: list[str]) -> None:
+        """Aborts the requests the ingress gave up on (unknown ids are no-ops) and
+        remembers them: one still being processed is stopped at its first output."""
+        now = time.time()
+        for rid in request_ids:
+            self.given_up[rid] = now
+            self.engine.abort(rid)
+        for rid in [r for r, at in self.given_up.items() if now - at > ABORT_MEMORY_SECONDS]:
+            del self.given_up[rid]
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
                        cache_salt: str | None = None, affinity_keys: list[str] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """The request's outputs (affinity_keys are the router's; unused here). Cancelled
         (the client hung up, the ingress cancels): the engine's generator is closed at
-        once, which aborts the request."""
+        once, which aborts the request; so does the ingress giving up on it through the hub."""
+        if request_id in self.given_up:
+            return
         outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt)
         try:
             async for out in outputs:
+                if request_id in self.given_up:
+                    return
                 yield out
         finally:
             await outputs.aclose()
@@ -205,6 +241,7 @@ class ReplicaPool:
             self.in_flight.pop(request_id, None)
             if not finished:
                 stream.cancel()  # the replica's generator is cancelled: its engine aborts the request
+                self.hub.give_up.remote(request_id)  # ... and if Ray loses the cancel, the replica sees this
 
     def healthy_replicas(self) -> dict[str, str]:
         """The replicas that reported in the last STALE_SECONDS: name -> metrics text."""
@@ -309,7 +346,7 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
         for sig, handler in handlers.items():  # Ray's would exit at once; the server drains first
             signal.signal(sig, handler)
     serve.start(http_options={"location": "NoServer"})  # HTTP is this process's own server
-    hub = MetricsHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
+    hub = ReplicaHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
     deployment = serve.deployment(EngineReplica, name="engine").options(**replica_options(args))
     threads = max(1, int(args.replica_cpus))
     handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads), name=APP,
