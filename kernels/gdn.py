@@ -1,5 +1,8 @@
 """Gated DeltaNet ops: the causal depthwise conv1d in front of the layer (with its carried
 state), and the gated delta rule — chunked for prefill, one step at a time for decode.
+Speculative decoding's verification queries (a request's last token and its drafts) go
+one position at a time, and the state after each position is kept (`DraftGroup`), so a
+partial acceptance resumes from the state at the last kept token.
 
 The recurrence, per value head, with S a [d_k, d_v] state, q and k L2-normalised and q
 scaled by d_k^-1/2:
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
-from vlmserve.kernels.registry import register
+from vlmserve.kernels.registry import ops, register
 
 CHUNK = 64
 
@@ -35,11 +38,23 @@ class PrefillGroup:
 
 
 @dataclass
+class DraftGroup:
+    """Verification queries of equal length L (a request's last token, then its L - 1
+    drafts): the state after each of the first L - 1 positions is copied to that
+    position's checkpoint slot."""
+
+    token_index: torch.Tensor  # [B, L]: where each query's tokens sit in the step
+    slots: torch.Tensor  # [B] state slots
+    checkpoint_slots: torch.Tensor  # [B, L - 1]
+
+
+@dataclass
 class RecurrentMetadata:
     """Which state slot each request of the step uses. Sequence i has the step's tokens
     [query_start[i], query_start[i + 1]) and resumes its slot's state if has_state[i]
     (else starts from zeros). For the portable implementation, the same grouped: decodes
-    (one token each) first, then prefills batched by length."""
+    (one token each) first, then prefills batched by length. Verification queries come
+    after all of them, in draft_groups only (the kernels never see them)."""
 
     query_start: torch.Tensor  # [num_seqs + 1] int32
     slots: torch.Tensor  # [num_seqs] int64
@@ -47,15 +62,22 @@ class RecurrentMetadata:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes]
     prefill_groups: list[PrefillGroup]
+    draft_groups: list[DraftGroup]
 
 
 def build_recurrent_metadata(
     slots: list[int], num_computed: list[int], query_lens: list[int],
     upload: Callable[[str, np.ndarray], torch.Tensor] | None = None,
+    checkpoint_slots: list[list[int]] | None = None,
 ) -> RecurrentMetadata:
-    """Requests with one token (decodes) must come first. `upload` puts the step's host
-    arrays on the device (the runner's staging; by default they stay on the CPU)."""
+    """Requests with one token (decodes) must come first, and verification queries (those
+    with checkpoint slots, one per draft) last. `upload` puts the step's host arrays on
+    the device (the runner's staging; by default they stay on the CPU)."""
     upload = upload or (lambda name, array: torch.from_numpy(np.ascontiguousarray(array)))
+    num_verify = sum(1 for c in checkpoint_slots or [] if c)
+    draft_groups = _draft_groups(slots, query_lens, checkpoint_slots, num_verify, upload) if num_verify else []
+    if num_verify:
+        slots, num_computed, query_lens = slots[:-num_verify], num_computed[:-num_verify], query_lens[:-num_verify]
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
         num_decodes += 1
@@ -84,7 +106,61 @@ def build_recurrent_metadata(
         num_decodes=num_decodes,
         decode_slots=slots_t[:num_decodes],
         prefill_groups=prefill_groups,
+        draft_groups=draft_groups,
     )
+
+
+def _draft_groups(slots: list[int], query_lens: list[int], checkpoint_slots: list[list[int]], num_verify: int,
+                  upload: Callable[[str, np.ndarray], torch.Tensor]) -> list[DraftGroup]:
+    first = len(slots) - num_verify
+    if any(checkpoint_slots[:first]) or any(len(c) != q - 1 for c, q in zip(checkpoint_slots[first:], query_lens[first:])):
+        raise ValueError("verification queries come last, with a checkpoint slot per draft")
+    groups: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
+    start = sum(query_lens[:first])
+    for slot, q, checkpoints in zip(slots[first:], query_lens[first:], checkpoint_slots[first:]):
+        starts, group_slots, group_checkpoints = groups.setdefault(q, ([], [], []))
+        starts.append(start)
+        group_slots.append(slot)
+        group_checkpoints.append(checkpoints)
+        start += q
+    return [
+        DraftGroup(
+            token_index=upload(f"draft{i}.index", np.asarray(starts)[:, None] + np.arange(length)[None, :]),
+            slots=upload(f"draft{i}.slots", np.asarray(group_slots, dtype=np.int64)),
+            checkpoint_slots=upload(f"draft{i}.checkpoints", np.asarray(group_checkpoints, dtype=np.int64)),
+        )
+        for i, (length, (starts, group_slots, group_checkpoints)) in enumerate(groups.items())
+    ]
+
+
+def causal_conv1d_with_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                              meta: RecurrentMetadata) -> torch.Tensor:
+    """ops.causal_conv1d over the step, then its verification queries a position at a
+    time, each position's window kept in its checkpoint slot."""
+    out = ops.causal_conv1d(x, weight, conv_state, meta)
+    for group in meta.draft_groups:
+        for j in range(group.token_index.shape[1]):
+            idx = group.token_index[:, j]
+            out[idx], window = causal_conv1d_decode(x[idx], weight, conv_state[group.slots])
+            conv_state[group.slots] = window
+            if j < group.checkpoint_slots.shape[1]:
+                conv_state[group.checkpoint_slots[:, j]] = window
+    return out
+
+
+def gated_delta_rule_with_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
+    """ops.gated_delta_rule over the step, then its verification queries a position at a
+    time (the decode recurrence), each position's state kept in its checkpoint slot."""
+    out = ops.gated_delta_rule(q, k, v, g, beta, state, meta)
+    for group in meta.draft_groups:
+        for j in range(group.token_index.shape[1]):
+            idx = group.token_index[:, j]
+            out[idx], s = recurrent_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], state[group.slots])
+            state[group.slots] = s
+            if j < group.checkpoint_slots.shape[1]:
+                state[group.checkpoint_slots[:, j]] = s
+    return out
 
 
 @register("causal_conv1d")

@@ -372,6 +372,7 @@ def test_metrics_lists_every_series(server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_blocks_in_use",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "encoder_cache_misses_total",
                  "processor_cache_misses_total", "num_preemptions_total",
+                 "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
                  "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count",
                  "e2e_request_latency_seconds_sum"):
         assert re.search(rf"^vlmserve:{name}", text, re.M), name

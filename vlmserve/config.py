@@ -19,3 +19,34 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens of a decoding request,
+    and one forward of the model checks them all (vLLM's names for the settings)."""
+
+    method: str = "ngram"  # ngram: prompt lookup (the request's own tokens)
+    num_speculative_tokens: int = 4  # draft tokens proposed per request and step, at most
+    prompt_lookup_min: int = 2  # the shortest n-gram looked up
+    prompt_lookup_max: int = 4  # the longest n-gram looked up (longer ones are tried first)
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> SpeculativeConfig | None:
+        """None when empty (speculation off); ValueError naming what is wrong."""
+        if not settings:
+            return None
+        known = set(cls.__dataclass_fields__)
+        unknown = set(settings) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        config = cls(**settings)
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not supported; use \"ngram\"")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
+        return config

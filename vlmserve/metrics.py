@@ -122,3 +122,9 @@ class _EngineCollector(Collector):
                       s.processor_cache_hits)
         yield counter("processor_cache_misses", "Media items decoded and resized.", s.processor_cache_misses)
         yield counter("num_preemptions", "Requests preempted when KV memory ran out.", s.num_preemptions)
+        yield counter("spec_decode_num_drafts", "Steps of a request that checked draft tokens (speculative "
+                      "decoding; the mean acceptance length is 1 + accepted tokens over this).", s.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens checked (speculative decoding).",
+                      s.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens kept (the acceptance rate is this over "
+                      "spec_decode_num_draft_tokens).", s.num_accepted_tokens)

@@ -98,6 +98,9 @@ class Request:
         # structured output: set by the engine core (it compiles grammars); the scheduler
         # holds the request back until it is ready and advances it with every token
         self.grammar: RequestGrammar | None = None
+        # speculative decoding: tokens the proposer guessed after the last one, checked
+        # by the next step that decodes this request (never part of its tokens or hashes)
+        self.draft_token_ids: list[int] = []
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

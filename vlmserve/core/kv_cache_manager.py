@@ -131,6 +131,16 @@ class KVCacheManager:
                 self.states.snapshot(request, cacheable)
         return new_blocks
 
+    def take_draft_checkpoints(self, request: Request, num_drafts: int) -> list[int] | None:
+        """Recurrent-state slots for the state after each draft position this step but
+        the last (so a partial acceptance resumes from the last kept token): [] for models
+        without recurrent layers, None if the pool has no free slots."""
+        return self.states.take_checkpoints(request.request_id, num_drafts) if self.states else []
+
+    def draft_checkpoints(self) -> dict[str, list[int]]:
+        """This step's checkpoint slots, by request."""
+        return dict(self.states.checkpoints) if self.states else {}
+
     def free(self, request: Request) -> None:
         for _, manager in self.attention_managers:
             manager.free(request.request_id)

@@ -32,6 +32,9 @@ class RecurrentStateManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.live: dict[str, int] = {}  # request id -> its state slot
+        # request id -> this step's checkpoint slots: the state after its last token and
+        # after each draft but the last (speculative decoding), given back after the step
+        self.checkpoints: dict[str, list[int]] = {}
 
     # -- prefix cache ----------------------------------------------------------------
     def find_longest_hit(self, block_hashes: list[BlockHash], max_tokens: int) -> StateHit | None:
@@ -79,7 +82,27 @@ class RecurrentStateManager:
     def slot(self, request_id: str) -> int | None:
         return self.live.get(request_id)
 
+    def take_checkpoints(self, request_id: str, n: int) -> list[int] | None:
+        """n checkpoint slots for a request's drafts this step; None if the pool has none."""
+        slots = []
+        for _ in range(n):
+            slot = self.pool.take()
+            if slot is None:
+                for s in slots:
+                    self.pool.release(s)
+                return None
+            slots.append(slot)
+        self.checkpoints[request_id] = slots
+        return slots
+
+    def _release_checkpoints(self, request_id: str | None = None) -> None:
+        """One request's checkpoint slots, or (None) every request's."""
+        for rid in list(self.checkpoints) if request_id is None else [request_id]:
+            for slot in self.checkpoints.pop(rid, []):
+                self.pool.release(slot)
+
     def free(self, request_id: str) -> None:
+        self._release_checkpoints(request_id)
         slot = self.live.pop(request_id, None)
         if slot is not None:
             self.pool.cancel(slot)
@@ -97,10 +120,12 @@ class RecurrentStateManager:
         return self.pool.drain_copies()
 
     def commit_step(self) -> None:
+        self._release_checkpoints()  # the runner has restored from them
         self.pool.commit()
 
     def discard_step(self) -> None:
         """After a step that failed: the snapshots it was to write hold nothing valid."""
+        self._release_checkpoints()
         self.pool.abort_step()
 
     def reset(self) -> None:

@@ -52,6 +52,12 @@ class SchedulerOutput:
     # recurrent-state slot copies: (snapshot, live) before the forward, (live, snapshot) after
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # req_id -> draft tokens checked this step, after its last token (counted in
+    # num_scheduled_tokens; KV slots are allocated for them)
+    scheduled_draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # hybrid models: req_id -> a recurrent-state slot per draft, for the state after its
+    # last token and after each draft but the last
+    draft_checkpoints: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,8 +73,11 @@ class LogprobsEntry:
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    # one list per request; empty when the step ended inside the prompt
+    # one list per request; empty when the step ended inside the prompt; with drafts, the
+    # kept ones and one more
     sampled_token_ids: list[list[int]]
-    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)  # per sampled token
     # req_id -> logprobs of every prompt position 1..n-1, once the whole prompt is done
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for its next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

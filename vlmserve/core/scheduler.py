@@ -66,6 +66,9 @@ class SchedulerStats:
     encoder_cache_entries_in_use: int  # referenced by requests that still need them
     encoder_cache_tokens: int
     num_preemptions: int
+    num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
+    num_draft_tokens: int  # ... draft tokens checked
+    num_accepted_tokens: int  # ... and kept
 
 
 @dataclass
@@ -82,6 +85,7 @@ class StepPlan:
     new: list[Request] = field(default_factory=list)  # from the waiting queue
     preempted: list[Request] = field(default_factory=list)
     encoding: set[str] = field(default_factory=set)  # mm_hashes sent to the encoder
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request -> its drafts checked now
 
     def add(self, request: Request, num_new: int, to_encode: list[int], cost: int, blocks: list[list[int]],
             new: bool = False) -> None:
@@ -102,6 +106,7 @@ class StepPlan:
         self.token_budget += self.num_scheduled.pop(rid)
         self.encoder_budget += self.encoder_cost.pop(rid, 0)
         self.new_block_ids.pop(rid)
+        self.drafts.pop(rid, None)
         return self.encoder_inputs.pop(rid, [])
 
 
@@ -121,6 +126,9 @@ class Scheduler:
         self.waiting_for_grammar: list[Request] = []  # WAITING_FOR_FSM: compiling off the step loop
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -206,10 +214,27 @@ class Scheduler:
             if num_new == 0:
                 self._cancel_encoder_inputs(request, to_encode, plan)
                 continue
-            blocks = self._allocate_or_preempt(request, num_new, to_encode, plan)
+            drafts = self._drafts_that_fit(request, num_new, plan.token_budget)
+            if drafts and self.kv_cache_manager.take_draft_checkpoints(request, len(drafts)) is None:
+                drafts = []  # no state slot free for them: decode one token
+            blocks = self._allocate_or_preempt(request, num_new + len(drafts), to_encode, plan)
             if blocks is None:  # the request preempted itself: nothing more fits
                 break
-            plan.add(request, num_new, to_encode, cost, blocks)
+            plan.add(request, num_new + len(drafts), to_encode, cost, blocks)
+            if drafts:
+                plan.drafts[request.request_id] = drafts
+
+    def _drafts_that_fit(self, request: Request, num_new: int, token_budget: int) -> list[int]:
+        """The request's drafts this step checks: only when it decodes its last token,
+        and only as many as the token budget, the context and max_tokens leave room for
+        (a step emits at most one token more than it checks)."""
+        if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = min(token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return request.draft_token_ids[: max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, to_encode: list[int],
                              plan: StepPlan) -> list[list[int]] | None:
@@ -300,6 +325,8 @@ class Scheduler:
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
             state_restores=state_restores,
             state_saves=state_saves,
+            scheduled_draft_tokens=plan.drafts,
+            draft_checkpoints=kv.draft_checkpoints(),
         )
         self.finished_req_ids = set()
         # progress is counted at schedule time, so the next step can be planned at once
@@ -389,6 +416,7 @@ class Scheduler:
             request.grammar.release()  # a fresh matcher replays the tokens on resumption
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request)
@@ -404,6 +432,7 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             try:
+                self._settle_drafts(request, scheduler_output, runner_output)
                 output = self._update_request(request, runner_output)
             except Exception as e:  # a bug in one request's bookkeeping fails that request only
                 logger.exception("request %s failed while its step was recorded", rid)
@@ -412,6 +441,21 @@ class Scheduler:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _settle_drafts(self, request: Request, scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput) -> None:
+        """Progress was counted for every draft at schedule time: the refused ones are
+        taken back (their KV slots are written again by the next step). The proposer's
+        new drafts replace the old ones."""
+        rid = request.request_id
+        drafts = scheduler_output.scheduled_draft_tokens.get(rid)
+        if drafts:
+            emitted = len(runner_output.sampled_token_ids[runner_output.req_id_to_index[rid]])
+            request.num_computed_tokens -= len(drafts) + 1 - emitted
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += emitted - 1
+        request.draft_token_ids = runner_output.draft_token_ids.get(rid, [])
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
         rid = request.request_id
@@ -435,7 +479,7 @@ class Scheduler:
             new_token_ids=kept,
             finish_reason=request.get_finished_reason(),
             stop_reason=request.stop_reason,
-            new_logprobs=[logprobs] if logprobs is not None and kept else [],
+            new_logprobs=logprobs[: len(kept)] if logprobs is not None else [],
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
@@ -505,4 +549,7 @@ class Scheduler:
             encoder_cache_entries_in_use=self.encoder_cache_manager.num_referenced(),
             encoder_cache_tokens=self.encoder_cache_manager.num_tokens,
             num_preemptions=self.num_preemptions,
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

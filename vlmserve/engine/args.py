@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vlmserve.config import SpeculativeConfig
 from vlmserve.multimodal.media import MediaLimits
 
 
@@ -69,6 +70,9 @@ class EngineArgs:
     # front end's HTTP, media and detokenizing; on 2 cores it measured slower)
     engine_process: bool = False
     time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
+    # JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 4}; empty: no speculative decoding
+    speculative_config: dict[str, Any] = field(default_factory=dict)
 
     def check_device(self) -> None:
         """A device this machine has, and on the CPU Triton only under its interpreter
@@ -84,6 +88,13 @@ class EngineArgs:
         if self.use_triton and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError("--use-triton on the CPU runs Triton's interpreter, which has to be on before triton "
                               "is imported: start with VLMSERVE_USE_TRITON=1 in the environment instead")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings (None: off), checked."""
+        try:
+            return SpeculativeConfig.from_dict(self.speculative_config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--speculative-config: {e}") from None
 
     def media_limits(self) -> MediaLimits:
         """The size and source checks every reader of this engine's media applies."""

@@ -108,7 +108,10 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights, args.use_triton)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
-    kv_config = kv_cache_config(args, groups)
+    speculative = args.speculative()
+    if speculative:
+        logger.info("speculative decoding: %s", speculative)
+    kv_config = kv_cache_config(args, groups, speculative.num_speculative_tokens if speculative else 0)
     max_model_len = fit_max_model_len(args, hf_config, kv_config)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -119,7 +122,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         encoder_cache_size=args.encoder_cache_size,
     )
     timer = timer or PhaseTimer(args.time_steps)
-    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer)
+    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
@@ -128,10 +131,11 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     return EngineCore(scheduler, runner, structured, timer), info
 
 
-def kv_cache_config(args: EngineArgs, groups) -> KVCacheConfig:
+def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0) -> KVCacheConfig:
     """Splits the KV memory budget: recurrent layers first get a state slot for every
-    request that can run at once, plus snapshot slots for prefix caching (a quarter of
-    the budget at most); attention blocks get the rest."""
+    request that can run at once (and one per draft: checkpoints for speculative
+    decoding), plus snapshot slots for prefix caching (a quarter of the budget at most);
+    attention blocks get the rest."""
     budget = int(args.kv_cache_memory_gb * (1 << 30))
     slot_bytes = state_slot_bytes(groups)
     num_slots = 0
@@ -139,7 +143,7 @@ def kv_cache_config(args: EngineArgs, groups) -> KVCacheConfig:
         snapshots = args.num_state_snapshots
         if snapshots is None:
             snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.prefix_caching else 0
-        num_slots = args.max_num_seqs + snapshots
+        num_slots = args.max_num_seqs * (1 + num_drafts) + snapshots
         budget -= num_slots * slot_bytes
         if budget <= 0 and args.num_kv_blocks is None:
             raise ValueError("kv_cache_memory_gb is too small for the recurrent states of max_num_seqs requests")

@@ -48,6 +48,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         args.check_device()
+        args.speculative()  # its settings are checked before anything is loaded
         self.args = args
         self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         if args.generation_config not in ("auto", "vlmserve"):

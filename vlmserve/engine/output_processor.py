@@ -204,25 +204,37 @@ class OutputProcessor:
             to_abort.append(out.request_id)  # ended by a stop string
 
     def _append_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:
-        sample.token_ids.extend(out.new_token_ids)
+        """With stop strings, one token at a time: a step can bring several (speculative
+        decoding), and those after the one that completes a stop string are not output."""
+        if not sample.params.stop:
+            self._extend(sample, out.new_token_ids, out.new_logprobs)
+            return
+        for j, token in enumerate(out.new_token_ids):
+            if self._extend(sample, [token], out.new_logprobs[j : j + 1]):
+                return
+
+    def _extend(self, sample: _Sample, token_ids: list[int], logprobs: list) -> bool:
+        """Appends tokens and their text; True if a stop string ended the sample."""
+        sample.token_ids.extend(token_ids)
         if sample.logprobs is not None:
-            sample.logprobs.extend(out.new_logprobs)
+            sample.logprobs.extend(logprobs)
         previous_len = len(sample.text)
-        sample.text += sample.detokenizer.append(out.new_token_ids)
+        sample.text += sample.detokenizer.append(token_ids)
         stops = sample.params.stop
         if not stops:
-            return
+            return False
         # a stop string can start up to len(stop) - 1 characters before the new text
         search_from = max(previous_len - max(len(s) for s in stops) + 1, 0)
         hits = [(sample.text.find(s, search_from), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
-            return
+            return False
         index, stop = min(hits)
         end = index + len(stop) if sample.params.include_stop_str_in_output else index
         sample.text = sample.text[:end]
         sample.finish_reason = "stop"
         sample.stop_reason = stop
+        return True
 
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
         state = self.requests.get(request_id)

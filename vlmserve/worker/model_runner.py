@@ -10,15 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vlmserve.config import SchedulerConfig
+from vlmserve.config import SchedulerConfig, SpeculativeConfig
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.kernels.attention import build_attention_metadata, kv_cache_shapes
 from vlmserve.kernels.gdn import build_recurrent_metadata
 from vlmserve.models.context import ForwardContext
+from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.structured_output.manager import GrammarBitmask
+from vlmserve.worker.rejection_sampler import can_verify, verify
 from vlmserve.worker.sampler import Penalties, SamplingBatch, logprobs_entry, sample, token_histories
 from vlmserve.worker.staging import Staging
 
@@ -33,6 +35,8 @@ class StepInputs:
     rows: list[int]
     num_computed: list[int]
     query_lens: list[int]
+    num_drafts: list[int]  # draft tokens at the end of each request's query
+    checkpoints: list[list[int]]  # hybrid models: each request's state checkpoint slots (with drafts)
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [3, tokens]
 
@@ -47,8 +51,10 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         timer: PhaseTimer | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
+        self.proposer = NgramProposer(speculative) if speculative else None
         self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
         self.kv_cache_config = kv_cache_config
@@ -192,8 +198,13 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch = self.input_batch
-        # decodes (one token) first: the attention kernel batches them
-        order = sorted(so.num_scheduled_tokens, key=lambda rid: so.num_scheduled_tokens[rid] != 1)
+        for rid, drafts in so.scheduled_draft_tokens.items():  # after the last token, not counted in it
+            row = batch.index_of[rid]
+            batch.token_ids[row, batch.num_tokens[row] : batch.num_tokens[row] + len(drafts)] = drafts
+        # decodes (one token) first: the attention kernel batches them; queries with drafts
+        # last: the recurrent layers take them apart
+        order = sorted(so.num_scheduled_tokens,
+                       key=lambda rid: (so.num_scheduled_tokens[rid] != 1, rid in so.scheduled_draft_tokens))
         rows = [batch.index_of[rid] for rid in order]
         query_lens = [so.num_scheduled_tokens[rid] for rid in order]
         states = [batch.states[r] for r in rows]
@@ -215,6 +226,8 @@ class ModelRunner:
             rows=rows,
             num_computed=num_computed,
             query_lens=query_lens,
+            num_drafts=[len(so.scheduled_draft_tokens.get(rid, ())) for rid in order],
+            checkpoints=[so.draft_checkpoints.get(rid, []) for rid in order],
             input_ids=self.staging.upload("input_ids", np.concatenate(ids)),
             positions=torch.cat(pos, dim=1) if len(pos) > 1 else pos[0],
         )
@@ -262,7 +275,8 @@ class ModelRunner:
         rows = np.asarray(step.rows, dtype=np.int64)
         if self.recurrent_layers:
             slots = [batch.states[r].state_slot for r in step.rows]
-            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.staging.upload)
+            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.staging.upload,
+                                            step.checkpoints)
             recurrent = {layer: meta for layer in self.recurrent_layers}
         self._sync_block_tables()
         rows_t = self.staging.upload("rows", rows)
@@ -312,11 +326,15 @@ class ModelRunner:
     def _sample(self, step: StepInputs, hidden: torch.Tensor, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         batch = self.input_batch
         sample_idx, sample_pos = [], []  # which requests sample, and the token that does
+        verify_idx, verify_pos = [], []  # which requests check drafts: their last 1 + drafts tokens sample
         prompt_lp_rows: list[tuple[int, int, int, int]] = []  # (i, hidden start, count, first pos)
         token_start = 0
-        for i, (row, c, q) in enumerate(zip(step.rows, step.num_computed, step.query_lens)):
+        for i, (row, c, q, d) in enumerate(zip(step.rows, step.num_computed, step.query_lens, step.num_drafts)):
             state = batch.states[row]
-            if c + q >= batch.num_tokens[row]:
+            if d:
+                verify_idx.append(i)
+                verify_pos.extend(range(token_start + q - 1 - d, token_start + q))
+            elif c + q >= batch.num_tokens[row]:
                 sample_idx.append(i)
                 sample_pos.append(token_start + q - 1)
             if state.sampling_params.prompt_logprobs is not None:
@@ -341,27 +359,47 @@ class ModelRunner:
                 prompt_logprobs[step.req_ids[i]] = state.prompt_logprobs
 
         sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: dict[str, LogprobsEntry] = {}
+        logprobs: dict[str, list[LogprobsEntry]] = {}
+        positions = sample_pos + verify_pos
+        logits = self.model.compute_logits(hidden[positions]) if positions else None
         if sample_idx:
-            logits = self.model.compute_logits(hidden[sample_pos])
             batch_rows = [step.rows[i] for i in sample_idx]
             sampling = self._sampling_batch(batch_rows, logits.shape[-1], grammar)
-            tokens, entries = sample(logits, sampling)
+            tokens, entries = sample(logits[: len(sample_idx)], sampling)
             for i, token, entry in zip(sample_idx, tokens, entries):
-                row = step.rows[i]
                 sampled[i] = [token]
-                batch.append_token(row, token)
-                batch.states[row].num_output_tokens += 1
                 if entry is not None:
-                    logprobs[step.req_ids[i]] = entry
-        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
-            batch.states[row].num_computed_tokens = c + q
+                    logprobs[step.req_ids[i]] = [entry]
+        if verify_idx:
+            drafts = [batch.token_ids[step.rows[i], batch.num_tokens[step.rows[i]] :][: step.num_drafts[i]].tolist()
+                      for i in verify_idx]
+            rows = [step.rows[i] for i, d in zip(verify_idx, drafts) for _ in range(len(d) + 1)]
+            verified = verify(logits[len(sample_idx) :], drafts, self._sampling_batch(rows, logits.shape[-1], None))
+            restores = []
+            for i, tokens, entries in zip(verify_idx, verified.token_ids, verified.logprobs):
+                sampled[i] = tokens
+                if entries:
+                    logprobs[step.req_ids[i]] = entries
+                if step.checkpoints[i] and len(tokens) <= step.num_drafts[i]:  # a draft was refused
+                    restores.append((step.checkpoints[i][len(tokens) - 1], batch.states[step.rows[i]].state_slot))
+            self._copy_states(restores)  # recurrent layers resume after the last kept token
+        draft_token_ids = {}
+        for i, (row, c, tokens) in enumerate(zip(step.rows, step.num_computed, sampled)):
+            state = batch.states[row]
+            # computed: the step's tokens, less the refused drafts
+            state.num_computed_tokens = c + step.query_lens[i] - (step.num_drafts[i] + 1 - len(tokens) if tokens else 0)
+            for token in tokens:
+                batch.append_token(row, token)
+            state.num_output_tokens += len(tokens)
+            if tokens and self.proposer and can_verify(state.sampling_params, state.num_output_tokens):
+                draft_token_ids[step.req_ids[i]] = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            draft_token_ids=draft_token_ids,
         )
 
     def _sampling_batch(self, rows: list[int], vocab: int, grammar: GrammarBitmask | None) -> SamplingBatch:

@@ -107,6 +107,14 @@ def token_histories(token_ids: torch.Tensor, num_prompt: torch.Tensor, num_token
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = batch.temperature == 0
+    sampled = draw(target_probs(logits, batch), batch.generators)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row draws from: temperature, min_p, top-k, top-p (greedy
+    rows get their temperature-1 distribution; they take the argmax instead)."""
+    greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits / temperature[:, None]
     if bool((batch.min_p > 0).any()):
@@ -114,15 +122,17 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         keep = probs >= batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         scaled = scaled.masked_fill(~keep, NEG_INF)
     scaled = _apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; a request with a
-    # seed draws its noise from its own generator, so its tokens do not depend on the
-    # other requests in the batch
+    return torch.softmax(scaled, dim=-1)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of (not necessarily normalized) probabilities. Exponential race:
+    argmax(p / E) with E ~ Exp(1) draws from p; a request with a seed draws its noise
+    from its own generator, so its tokens do not depend on the other requests."""
     noise = torch.empty_like(probs)
-    for row, gen in enumerate(batch.generators):
+    for row, gen in enumerate(generators):
         noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return (probs / noise).argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Speculative decoding (n-gram prompt lookup) on the shipped model: output tok/s with and
+without it, one stream at a time and 8 at once, on three workloads:
+
+- json: "Describe the image as JSON." — the answer repeats its own keys (copy-heavy);
+- repeat: a second turn asking for the same description as the first turn's answer,
+  which is in the prompt (copy-heavy: the model transcribes text it was given);
+- plain: the shapes questions mixed (short answers; little to copy).
+
+Engines alternate (off, then each setting of --drafts), medians of --repeats runs after a
+warm-up, caches emptied before each run, greedy decoding. Printed per run: tok/s, the
+ratio to off, the acceptance rate (kept over checked drafts) and the mean acceptance
+length (tokens per decoding step of a request with drafts). Every setting's tokens must
+equal off's. The peer: transformers `generate` one stream at a time, with and without its
+own prompt lookup (`prompt_lookup_num_tokens`), when its model supports it.
+
+    python benchmarks/bench_spec_decode.py [--requests 24] [--repeats 3] [--drafts 2,4] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from common import cpu_flags
+from vlmserve import LLM, SamplingParams
+from vlmserve.engine.model_source import SHIPPED_MODEL
+from vlmserve.training import shapes
+
+MAX_TOKENS = 96
+
+
+def workloads(n: int, seed: int = 0) -> dict[str, list[dict]]:
+    """Chat messages per workload (the pictures are PIL images)."""
+    rng = random.Random(seed)
+    scenes = [shapes.random_scene(rng) for _ in range(n)]
+    pictures = [shapes.render(s, rng) for s in scenes]
+
+    def ask(picture, question, history=()):
+        return [*history, {"role": "user", "content": [{"type": "image", "image": picture},
+                                                          {"type": "text", "text": question}]}]
+
+    plain = []
+    for scene, picture in zip(scenes, pictures):
+        qa = rng.choice(shapes.all_questions(scene, rng))
+        plain.append(ask(picture, qa.question))
+    repeat = [ask(picture, "Describe the image.", history=[
+        {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Describe the image."}]},
+        {"role": "assistant", "content": shapes.caption(scene)}]) for scene, picture in zip(scenes, pictures)]
+    return {"json": [ask(p, shapes.JSON_QUESTION) for p in pictures], "repeat": repeat, "plain": plain}
+
+
+def run(llm: LLM, chats: list, batch: int) -> dict:
+    """The chats through the engine, `batch` at a time; tokens and the draft counters."""
+    if not llm.engine.reset_caches():
+        raise RuntimeError("requests still running")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    outs = []
+    for i in range(0, len(chats), batch):
+        outs += llm.chat(chats[i : i + batch], params)
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    tokens = [o.outputs[0].token_ids for o in outs]
+    drafts = after.num_drafts - before.num_drafts
+    checked = after.num_draft_tokens - before.num_draft_tokens
+    kept = after.num_accepted_tokens - before.num_accepted_tokens
+    return {"tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
+            "acceptance": kept / checked if checked else float("nan"),
+            "mean_length": 1 + kept / drafts if drafts else float("nan")}
+
+
+def transformers_peer(chats: list, drafts: int, repeats: int) -> dict[str, float] | str:
+    """transformers generate, one stream: tok/s without and with prompt lookup."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(SHIPPED_MODEL)
+    model = AutoModelForImageTextToText.from_pretrained(SHIPPED_MODEL, dtype=torch.bfloat16).eval()
+
+    def once(lookup: int | None) -> float:
+        tokens, start = 0, time.perf_counter()
+        for chat in chats:
+            inputs = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt")
+            extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+            with torch.inference_mode():
+                out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, **extra)
+            tokens += out.shape[1] - inputs["input_ids"].shape[1]
+        return tokens / (time.perf_counter() - start)
+
+    results = {}
+    for lookup in (None, drafts):
+        name = f"lookup {lookup}" if lookup else "off"
+        try:
+            once(lookup)  # warm-up
+            results[name] = statistics.median(once(lookup) for _ in range(repeats))
+        except Exception as e:  # a model whose cache cannot be cropped
+            results[name] = f"not supported ({type(e).__name__}: {str(e)[:80]})"
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=24, help="requests per workload")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--drafts", default="2,4", help="num_speculative_tokens settings to compare with off")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_flags()}, {args.threads} threads; model: the shipped {SHIPPED_MODEL.name}, bf16; "
+          f"greedy, max {MAX_TOKENS} tokens; medians of {args.repeats}")
+    settings = {"off": {}} | {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                for k in map(int, args.drafts.split(","))}
+    engines = {name: LLM(speculative_config=config, max_num_seqs=8, dtype="bfloat16")
+               for name, config in settings.items()}
+    work = workloads(args.requests)
+    print(f"\n| workload | streams | setting | tok/s | vs off | acceptance | mean length |\n|---|---|---|---|---|---|---|")
+    for workload, chats in work.items():
+        for batch in (1, 8):
+            for llm in engines.values():
+                run(llm, chats[:batch], batch)  # warm-up
+            runs = {name: [] for name in engines}
+            for _ in range(args.repeats):
+                for name, llm in engines.items():
+                    runs[name].append(run(llm, chats, batch))
+            base = statistics.median(r["tok_s"] for r in runs["off"])
+            for name, results in runs.items():
+                tok_s = statistics.median(r["tok_s"] for r in results)
+                last = results[-1]
+                if last["tokens"] != runs["off"][-1]["tokens"]:
+                    raise SystemExit(f"{name} on {workload}: tokens differ from off")
+                print(f"| {workload} | {batch} | {name} | {tok_s:,.0f} | {tok_s / base:.2f}x | "
+                      f"{last['acceptance']:.0%} | {last['mean_length']:.2f} |")
+    if not args.no_transformers:
+        print("\ntransformers generate, one stream, bf16 (tok/s):")
+        for workload in ("json", "plain"):
+            k = max(map(int, args.drafts.split(",")))
+            peer = transformers_peer(work[workload][: max(4, args.requests // 4)], k, args.repeats)
+            print(f"  {workload}: " + ", ".join(f"{n} {v:,.0f}" if isinstance(v, float) else f"{n} {v}"
+                                                for n, v in peer.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Speculative decoding: the n-gram proposer, the verification (greedy exact, rejection
+sampling that keeps the target distribution), and the engine with it on: transformers'
+greedy tokens and logprobs in every scheduling situation, nothing left behind."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from test_qwen2_5_vl_parity import IMG_A, CASES, assert_all_free, check, greedy, mixed_requests, request, run_together
+from vlmserve import LLM, SamplingParams
+from vlmserve.config import SpeculativeConfig
+from vlmserve.engine.args import ConfigError
+from vlmserve.sampling_params import StructuredOutputsParams
+from vlmserve.spec_decode.ngram_proposer import NgramProposer
+from vlmserve.worker.rejection_sampler import verify
+from vlmserve.worker.sampler import SamplingBatch
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails
+# one run in a thousand (the seeds are fixed, so a run is reproducible)
+CHI2_999 = {3: 16.27, 5: 20.52, 7: 24.32}
+
+
+# ----------------------------------------------------------------------------- proposer
+def propose(tokens, **settings):
+    config = SpeculativeConfig(**{"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                  **settings})
+    return NgramProposer(config).propose(np.asarray(tokens, dtype=np.int64))
+
+
+def test_the_proposer_copies_what_followed_the_latest_longest_match():
+    # ends with 7 8 9: that trigram occurred at 0 (then 1 2 3) and at 6 (then 4 5 6)
+    assert propose([7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9]) == [4, 5, 6]
+    # the longest n-gram wins over a later shorter one: "2 3" occurred after 1 once (then 4),
+    # "3" alone later (then 9)
+    assert propose([1, 2, 3, 4, 0, 3, 9, 0, 1, 2, 3]) == [4, 0, 3]
+    assert propose([5, 6, 7, 5], num_speculative_tokens=5) == [6, 7, 5]  # up to the end
+    assert propose([1, 2, 3, 4]) == []  # no earlier occurrence
+    assert propose([1, 2, 3, 1, 2], prompt_lookup_min=3) == []  # only n-grams of 3 or more count
+    assert propose([4]) == []
+
+
+def test_speculative_settings_are_checked():
+    assert SpeculativeConfig.from_dict({}) is None
+    for bad, why in (({"method": "eagle"}, "not supported"), ({"num_speculative_tokens": 0}, "positive"),
+                     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
+                     ({"tokens": 3}, "unknown setting")):
+        with pytest.raises(ValueError, match=why):
+            SpeculativeConfig.from_dict(bad)
+
+
+# ----------------------------------------------------------------------------- verification
+def batch_of(rows: int, temperature: float, seed: int = 0, top_k: int = 0) -> SamplingBatch:
+    gen = torch.Generator().manual_seed(seed)
+    return SamplingBatch(temperature=torch.full((rows,), temperature), top_k=torch.full((rows,), top_k),
+                         top_p=torch.ones(rows), min_p=torch.zeros(rows), generators=[gen] * rows,
+                         num_logprobs=[None] * rows)
+
+
+def test_greedy_verification_keeps_the_drafts_equal_to_the_argmax():
+    logits = torch.full((7, 6), -1.0)
+    for row, token in enumerate([2, 3, 1, 5, 4, 0, 1]):
+        logits[row, token] = 1.0
+    # request 0: drafts 2 3 right, 4 wrong (argmax 1): 2 3 then 1; request 1 (rows 4-6):
+    # drafts 4 0 right: 4 0 then the bonus 1
+    out = verify(logits, [[2, 3, 4], [4, 0]], batch_of(7, 0.0))
+    assert out.token_ids == [[2, 3, 1], [4, 0, 1]]
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Many requests with two drafts each, from fixed target distributions p0, p1, p2
+    (temperature and top-k applied): the first token is distributed as p0 whatever the
+    drafts, the second (when the first draft was kept) as p1, the third (both kept) as p2;
+    a draft is kept with the probability the target gives it."""
+    vocab, n = 8, 8000
+    torch.manual_seed(0)
+    targets = torch.randn(3, vocab)
+    probs = torch.softmax(targets / 0.8, dim=-1)
+    top = probs.topk(6, dim=-1).indices
+    p = torch.zeros_like(probs).scatter(1, top, probs.gather(1, top))
+    p = (p / p.sum(dim=-1, keepdim=True)).numpy()
+    likely = [int(top[0, 0]), int(top[1, 0])]
+    unlikely = [int(top[0, 3]), int(top[1, 1])]
+    drafts = [likely if i % 2 else unlikely for i in range(n)]
+    out = verify(targets.repeat(n, 1), drafts, batch_of(3 * n, 0.8, seed=1, top_k=6))
+    for pair in (likely, unlikely):
+        got = [t for d, t in zip(drafts, out.token_ids) if d == pair]
+        for position in range(3):
+            # the token at `position`, among samples whose drafts before it were all kept
+            tokens = [t[position] for t in got if len(t) > position]
+            if position and pair == unlikely and len(tokens) < 500:
+                continue  # too few samples for the test (the likely pair covers it)
+            counts = np.bincount(tokens, minlength=vocab)
+            support = p[position] > 0
+            assert counts[~support].sum() == 0  # never outside top-k
+            stat = chi_square(counts[support], p[position][support])
+            assert stat < CHI2_999[int(support.sum()) - 1], (pair, position, stat, counts)
+        kept_first = np.mean([len(t) > 1 for t in got])
+        expected = p[0][pair[0]]
+        assert abs(kept_first - expected) < 4 * np.sqrt(expected * (1 - expected) / len(got))
+
+
+# ----------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def spec_llm(qwen25_path):
+    return LLM(qwen25_path, num_kv_blocks=256, speculative_config=NGRAM)
+
+
+def acceptance(llm) -> tuple[int, int]:
+    stats = llm.engine.stats()
+    return stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def test_mixed_requests_with_pictures_give_transformers_tokens(spec_llm, hf_qwen25):
+    specs, prompts, params = mixed_requests(hf_qwen25)
+    before = acceptance(spec_llm)
+    outs = run_together(spec_llm, prompts, params)
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen25, text, images, n, prompt_logprobs=True)
+    drafted, accepted = (a - b for a, b in zip(acceptance(spec_llm), before))
+    assert drafted > 0 and accepted > 0  # drafts were checked and some kept: the test exercises them
+    assert_all_free(spec_llm)
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_with_drafts(qwen25_path, hf_qwen25):
+    specs, prompts, _ = mixed_requests(hf_qwen25)
+    specs = [(text, images, 2 * n) for text, images, n in specs]  # longer answers: the tiny cache must preempt
+    params = [greedy(n, prompt_logprobs=-1) for _, _, n in specs]
+    chunked = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=9, speculative_config=NGRAM)
+    tiny = LLM(qwen25_path, num_kv_blocks=22, max_num_seqs=8, speculative_config=NGRAM)
+    for llm in (chunked, tiny):
+        outs = run_together(llm, prompts, params)
+        for out, (text, images, n) in zip(outs, specs):
+            check(out, hf_qwen25, text, images, n, prompt_logprobs=True)
+        assert acceptance(llm)[1] > 0
+        assert_all_free(llm)
+    assert tiny.engine.stats().num_preemptions > 0
+    # a prompt that continues a finished one hits the blocks it wrote, drafts included: they
+    # hold only kept tokens, as transformers' answer shows
+    text, images = CASES["text"]
+    first = chunked.generate(request(hf_qwen25, text, images), greedy(24))[0]
+    follow = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids}
+    plain = LLM(qwen25_path, num_kv_blocks=256)
+    second, reference = chunked.generate(follow, greedy(12))[0], plain.generate(follow, greedy(12))[0]
+    assert second.num_cached_tokens >= 16 * ((len(follow["prompt_token_ids"]) - 1) // 16) - 16
+    assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert torch.allclose(torch.tensor([e.logprobs[0] for e in second.outputs[0].logprobs]),
+                          torch.tensor([e.logprobs[0] for e in reference.outputs[0].logprobs]), atol=1e-4)
+
+
+def test_an_abort_with_drafts_in_flight_leaves_nothing_behind(spec_llm, hf_qwen25):
+    engine = spec_llm.engine
+    engine.add_request("going", request(hf_qwen25, "Hello world " * 6, [IMG_A]),
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    going = engine.engine_core.scheduler.requests["going"]
+    for _ in range(150):  # until the next step would check drafts
+        engine.step()
+        if going.draft_token_ids:
+            break
+    assert going.draft_token_ids and not going.is_finished()
+    engine.step()  # the drafts are in flight: KV slots allocated for them
+    engine.abort_request("going")
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    assert_all_free(spec_llm)
+
+
+def test_stop_strings_and_sampling_with_seeds(spec_llm, qwen25_path, hf_qwen25):
+    plain = LLM(qwen25_path, num_kv_blocks=256)
+    prompt = request(hf_qwen25, "Hello world " * 6, [])
+    free_run = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop = free_run.text[len(free_run.text) // 2 :][:3]
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+    want, got = plain.generate(prompt, params)[0].outputs[0], spec_llm.generate(prompt, params)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    # sampled: a seed gives the same answer every time, whatever else runs beside it
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True)
+    alone = spec_llm.generate(prompt, seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 3
+    together = spec_llm.generate([prompt] * 4, [seeded] + others)
+    assert together[0].outputs[0].token_ids == alone
+
+
+def test_structured_output_decodes_without_drafts(spec_llm, qwen25_path, hf_qwen25):
+    """A request under a grammar gets no drafts (its mask depends on each token before);
+    its answer is the one without speculation, and other requests still draft."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    prompt = request(hf_qwen25, "Give JSON.", [])
+    plain = LLM(qwen25_path, num_kv_blocks=256)
+    got = spec_llm.generate(prompt, params)[0].outputs[0]
+    assert got.token_ids == plain.generate(prompt, params)[0].outputs[0].token_ids
+    assert isinstance(json.loads(got.text)["a"], int)
+
+
+def test_bad_settings_are_refused_before_loading(qwen25_path):
+    with pytest.raises(ConfigError, match="speculative-config.*num_speculative_tokens"):
+        LLM(qwen25_path, speculative_config={"num_speculative_tokens": -1})
+
+
+# ----------------------------------------------------------------------------- hybrid models
+class OracleProposer:
+    """Drafts the answer a run without speculation gave (random-weight models rarely
+    repeat themselves, so n-grams are seldom right), with one draft in three wrong: drafts
+    are kept, and refused part-way."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = [np.asarray(s) for s in sequences]
+
+    def propose(self, tokens: np.ndarray) -> list[int]:
+        n = len(tokens)
+        for full in self.sequences:
+            if len(full) > n and np.array_equal(full[:n], tokens):
+                drafts = full[n : n + 3].tolist()
+                if n % 3 == 0 and len(drafts) > 1:
+                    drafts[1] = (drafts[1] + 1) % 64
+                return drafts
+        return []
+
+
+def with_oracle(llm: LLM, plain_outputs) -> LLM:
+    llm.engine.engine_core.runner.proposer = OracleProposer(
+        [o.prompt_token_ids + o.outputs[0].token_ids for o in plain_outputs])
+    return llm
+
+
+def test_hybrid_model_resumes_from_the_state_at_the_last_kept_token(qwen35_path, hf_qwen35):
+    """Gated DeltaNet layers: a refused draft puts the recurrent state back to its
+    checkpoint after the last kept token. Transformers' tokens and logprobs, in mixed
+    batches, in small steps and under preemption; every state slot given back."""
+    from test_qwen3_5_parity import assert_all_free as assert_hybrid_free
+
+    specs, prompts, params = mixed_requests(hf_qwen35)
+    plain = run_together(LLM(qwen35_path, num_kv_blocks=256), prompts, params)
+    big = LLM(qwen35_path, num_kv_blocks=256, speculative_config=NGRAM)
+    chunked = LLM(qwen35_path, num_kv_blocks=256, max_num_batched_tokens=6, speculative_config=NGRAM)
+    tiny = LLM(qwen35_path, num_kv_blocks=14, max_num_seqs=8, speculative_config=NGRAM)
+    for llm in (big, chunked, tiny):
+        outs = run_together(with_oracle(llm, plain), prompts, params)
+        for out, (text, images, n) in zip(outs, specs):
+            check(out, hf_qwen35, text, images, n, prompt_logprobs=True)
+        drafted, accepted = acceptance(llm)
+        assert 0 < accepted < drafted  # drafts kept, and refused (the state was put back)
+        assert_hybrid_free(llm)
+    assert tiny.engine.stats().num_preemptions > 0
+
+
+def test_hybrid_prefix_hit_after_drafts(qwen35_path, hf_qwen35):
+    """A request that shares a system prompt and picture with one decoded with drafts
+    resumes from the snapshot it left (drafts never enter the cache)."""
+    from test_qwen3_5_parity import assert_all_free as assert_hybrid_free
+    from test_qwen3_5_parity import system_prompt_request
+
+    questions = ("Describe the image.", "How many shapes are there?")
+    requests = [system_prompt_request(hf_qwen35, q, [IMG_A]) for q in questions]
+    plain = LLM(qwen35_path, num_kv_blocks=256).generate([r for r, _ in requests], greedy(20))
+    llm = with_oracle(LLM(qwen35_path, num_kv_blocks=256, speculative_config=NGRAM), plain)
+    for req, prompt in requests:
+        out = llm.generate(req, greedy(20))[0]
+        ref_tokens, ref_lp = hf_qwen35.generate(prompt, [IMG_A], 20)
+        assert out.outputs[0].token_ids == ref_tokens
+        chosen = [e.logprobs[0] for e in out.outputs[0].logprobs]
+        assert max(abs(a - ref_lp[i, t].item()) for i, (a, t) in enumerate(zip(chosen, ref_tokens))) < 1e-4
+    assert out.num_cached_tokens > 0 and 0 < acceptance(llm)[1] < acceptance(llm)[0]
+    assert_hybrid_free(llm)

@@ -1,0 +1,2 @@
+"""Speculative decoding: proposers of draft tokens (the target model verifies them in
+`worker.rejection_sampler`)."""
