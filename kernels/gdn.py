@@ -1,8 +1,8 @@
 """Gated DeltaNet ops: the causal depthwise conv1d in front of the layer (with its carried
 state), and the gated delta rule — chunked for prefill, one step at a time for decode.
 Speculative decoding's verification queries (a request's last token and its drafts) go
-one position at a time, and the state after each position is kept (`DraftGroup`), so a
-partial acceptance resumes from the state at the last kept token.
+one position at a time, and the state after each position but the last is copied to a
+checkpoint slot, so a partial acceptance resumes from the state at the last kept token.
 
 The recurrence, per value head, with S a [d_k, d_v] state, q and k L2-normalised and q
 scaled by d_k^-1/2:
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
-from vlmserve.kernels.registry import ops, register
+from vlmserve.kernels.registry import register
 
 CHUNK = 64
 
@@ -52,13 +52,15 @@ class DraftGroup:
 class RecurrentMetadata:
     """Which state slot each request of the step uses. Sequence i has the step's tokens
     [query_start[i], query_start[i + 1]) and resumes its slot's state if has_state[i]
-    (else starts from zeros). For the portable implementation, the same grouped: decodes
-    (one token each) first, then prefills batched by length. Verification queries come
-    after all of them, in draft_groups only (the kernels never see them)."""
+    (else starts from zeros); a verification query (speculative decoding) also copies the
+    state after each of its first tokens to checkpoints[i, j] (-1: none). For the
+    portable implementation, the same grouped: decodes (one token each) first, then
+    prefills batched by length, then verification queries by length."""
 
     query_start: torch.Tensor  # [num_seqs + 1] int32
     slots: torch.Tensor  # [num_seqs] int64
     has_state: torch.Tensor  # [num_seqs] bool
+    checkpoints: torch.Tensor  # [num_seqs, max drafts] int64
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes]
     prefill_groups: list[PrefillGroup]
@@ -74,16 +76,19 @@ def build_recurrent_metadata(
     with checkpoint slots, one per draft) last. `upload` puts the step's host arrays on
     the device (the runner's staging; by default they stay on the CPU)."""
     upload = upload or (lambda name, array: torch.from_numpy(np.ascontiguousarray(array)))
-    num_verify = sum(1 for c in checkpoint_slots or [] if c)
+    checkpoint_slots = checkpoint_slots or [[] for _ in slots]
+    checkpoints = np.full((len(slots), max(map(len, checkpoint_slots), default=0)), -1, dtype=np.int64)
+    for i, c in enumerate(checkpoint_slots):
+        checkpoints[i, : len(c)] = c
+    num_verify = sum(1 for c in checkpoint_slots if c)
     draft_groups = _draft_groups(slots, query_lens, checkpoint_slots, num_verify, upload) if num_verify else []
-    if num_verify:
-        slots, num_computed, query_lens = slots[:-num_verify], num_computed[:-num_verify], query_lens[:-num_verify]
+    regular = len(slots) - num_verify
     num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+    while num_decodes < regular and query_lens[num_decodes] == 1:
         num_decodes += 1
     groups: dict[tuple[int, bool], tuple[list[int], list[int]]] = {}
     start = num_decodes
-    for slot, c, q in zip(slots[num_decodes:], num_computed[num_decodes:], query_lens[num_decodes:]):
+    for slot, c, q in zip(slots[num_decodes:regular], num_computed[num_decodes:regular], query_lens[num_decodes:regular]):
         starts, group_slots = groups.setdefault((q, c > 0), ([], []))
         starts.append(start)
         group_slots.append(slot)
@@ -103,6 +108,7 @@ def build_recurrent_metadata(
         query_start=upload("recurrent_query_start", query_start),
         slots=slots_t,
         has_state=upload("has_state", np.asarray(num_computed) > 0),
+        checkpoints=upload("checkpoints", checkpoints),
         num_decodes=num_decodes,
         decode_slots=slots_t[:num_decodes],
         prefill_groups=prefill_groups,
@@ -133,34 +139,38 @@ def _draft_groups(slots: list[int], query_lens: list[int], checkpoint_slots: lis
     ]
 
 
-def causal_conv1d_with_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                              meta: RecurrentMetadata) -> torch.Tensor:
-    """ops.causal_conv1d over the step, then its verification queries a position at a
-    time, each position's window kept in its checkpoint slot."""
-    out = ops.causal_conv1d(x, weight, conv_state, meta)
-    for group in meta.draft_groups:
-        for j in range(group.token_index.shape[1]):
-            idx = group.token_index[:, j]
-            out[idx], window = causal_conv1d_decode(x[idx], weight, conv_state[group.slots])
-            conv_state[group.slots] = window
-            if j < group.checkpoint_slots.shape[1]:
-                conv_state[group.checkpoint_slots[:, j]] = window
-    return out
+def conv1d_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, groups: list[DraftGroup],
+                  out: torch.Tensor) -> None:
+    """Verification queries through the conv (portable), each position's window (the
+    last K-1 inputs up to it) kept in its checkpoint slot."""
+    k = weight.shape[1]
+    for group in groups:
+        idx = group.token_index  # [B, L]
+        padded = torch.cat([conv_state[group.slots].to(weight.dtype), x[idx].transpose(1, 2).to(weight.dtype)], dim=2)
+        windows = padded.unfold(2, k, 1)  # [B, C, L, K]: position j's inputs
+        out[idx] = F.silu((windows * weight[None, :, None, :]).sum(-1)).transpose(1, 2).to(x.dtype)
+        carried = windows[:, :, :, 1:].transpose(1, 2)  # [B, L, C, K-1]: the inputs kept after each position
+        conv_state[group.checkpoint_slots.flatten()] = carried[:, :-1].flatten(0, 1).to(conv_state.dtype)
+        conv_state[group.slots] = carried[:, -1].to(conv_state.dtype)
 
 
-def gated_delta_rule_with_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                 beta: torch.Tensor, state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
-    """ops.gated_delta_rule over the step, then its verification queries a position at a
-    time (the decode recurrence), each position's state kept in its checkpoint slot."""
-    out = ops.gated_delta_rule(q, k, v, g, beta, state, meta)
-    for group in meta.draft_groups:
-        for j in range(group.token_index.shape[1]):
-            idx = group.token_index[:, j]
-            out[idx], s = recurrent_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], state[group.slots])
-            state[group.slots] = s
-            if j < group.checkpoint_slots.shape[1]:
-                state[group.checkpoint_slots[:, j]] = s
-    return out
+def delta_rule_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, groups: list[DraftGroup], out: torch.Tensor) -> None:
+    """Verification queries through the delta rule (portable), a position at a time,
+    each position's state kept in its checkpoint slot."""
+    for group in groups:
+        idx = group.token_index  # [B, L]
+        qn, kn = _prepare(q[idx], k[idx], v.shape[1] // q.shape[1])  # [B, L, H, dk]
+        decay, vf, bf = g[idx].float().exp(), v[idx].float(), beta[idx].float()
+        s = state[group.slots].float()
+        states, outs = [], []
+        for j in range(idx.shape[1]):
+            s, o = _delta_rule_step(qn[:, j], kn[:, j], vf[:, j], decay[:, j], bf[:, j], s)
+            states.append(s)
+            outs.append(o)
+        state[group.checkpoint_slots.flatten()] = torch.stack(states[:-1], dim=1).flatten(0, 1)
+        state[group.slots] = s
+        out[idx] = torch.stack(outs, dim=1).to(out.dtype)
 
 
 @register("causal_conv1d")
@@ -175,13 +185,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     for group in meta.prefill_groups:
         init = conv_state[group.slots] if group.has_state else None
         out[group.token_index], conv_state[group.slots] = causal_conv1d_prefill(x[group.token_index], weight, init)
+    conv1d_drafts(x, weight, conv_state, meta.draft_groups, out)
     return out
 
 
 @register("causal_conv1d", "cpu", available=cpu_extension.available)
 def causal_conv1d_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       meta: RecurrentMetadata) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state)
+    return torch.ops.vlmserve_cpu.causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state,
+                                                meta.checkpoints)
 
 
 @register("gated_delta_rule")
@@ -199,6 +211,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         idx = group.token_index
         init = state[group.slots] if group.has_state else None
         out[idx], state[group.slots] = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init)
+    delta_rule_drafts(q, k, v, g, beta, state, meta.draft_groups, out)
     return out
 
 
@@ -207,7 +220,7 @@ def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
     """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in L1."""
     return torch.ops.vlmserve_cpu.gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
-                                                   meta.slots, meta.has_state)
+                                                   meta.slots, meta.has_state, meta.checkpoints)
 
 
 def causal_conv1d_prefill(
@@ -315,9 +328,16 @@ def recurrent_gated_delta_rule(
     state: [B, H, dk, dv]. Returns o [B, H, dv] and the new state (fp32)."""
     h = v.shape[1]
     q, k = _prepare(q, k, h // q.shape[1])
-    s = state.float() * g.float().exp()[..., None, None]
-    remembered = torch.einsum("bhk,bhkv->bhv", k, s)
-    delta = (v.float() - remembered) * beta.float().unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    o = torch.einsum("bhk,bhkv->bhv", q, s)
+    s, o = _delta_rule_step(q, k, v.float(), g.float().exp(), beta.float(), state.float())
     return o.to(v.dtype), s
+
+
+def _delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                     s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of B sequences, inputs prepared (q, k [B, H, dk] normalised; v [B, H, dv],
+    decay = exp(g), beta [B, H], all fp32): the new state and the output."""
+    s = s * decay[..., None, None]
+    remembered = torch.einsum("bhk,bhkv->bhv", k, s)
+    delta = (v - remembered) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return s, torch.einsum("bhk,bhkv->bhv", q, s)

@@ -23,7 +23,7 @@ BLOCK_V = 16  # value channels per program
 @triton.jit
 def _gated_delta_rule_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, query_start_ptr, slots_ptr, has_state_ptr,
-    key_heads, heads,
+    checkpoints_ptr, width, key_heads, heads,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -56,7 +56,18 @@ def _gated_delta_rule_kernel(
         state = state + k[:, None] * delta[None, :]
         o = tl.sum(q[:, None] * state, axis=0)
         tl.store(out_ptr + (t * heads + head) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+        if t - t0 < width:  # a verification query: the state after this token, to its checkpoint
+            checkpoint = tl.load(checkpoints_ptr + seq * width + t - t0).to(tl.int64)
+            if checkpoint >= 0:
+                c_off = ((checkpoint * heads + head) * DK + ks[:, None]) * DV + vs[None, :]
+                tl.store(state_ptr + c_off, state, mask=s_mask)
     tl.store(state_ptr + s_off, state, mask=s_mask)
+
+
+def _checkpoints(meta: RecurrentMetadata) -> tuple[torch.Tensor, int]:
+    """The checkpoint slots and their row width (a one-element stand-in when there are none)."""
+    width = meta.checkpoints.shape[1]
+    return (meta.checkpoints if width else meta.slots.new_full((1,), -1)), width
 
 
 @register("gated_delta_rule", "triton")
@@ -71,7 +82,7 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     grid = (num_seqs, heads, triton.cdiv(dv, BLOCK_V))
     _gated_delta_rule_kernel[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.float().contiguous(), state, out,
-        meta.query_start, meta.slots, meta.has_state.to(torch.int32), key_heads, heads,
+        meta.query_start, meta.slots, meta.has_state.to(torch.int32), *_checkpoints(meta), key_heads, heads,
         DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V,
     )
     return out
@@ -79,7 +90,7 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
 @triton.jit
 def _causal_conv1d_kernel(x_ptr, weight_ptr, conv_state_ptr, out_ptr, query_start_ptr, slots_ptr, has_state_ptr,
-                          channels, KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
+                          checkpoints_ptr, width, channels, KERNEL: tl.constexpr, BLOCK_C: tl.constexpr):
     """One program: a block of channels of one sequence; the window of the last
     KERNEL - 1 inputs in registers, read from and written back to the state slot."""
     seq = tl.program_id(0)
@@ -103,6 +114,12 @@ def _causal_conv1d_kernel(x_ptr, weight_ptr, conv_state_ptr, out_ptr, query_star
         window = tl.where(pos[None, :] == KERNEL - 1, x[:, None], shifted)
         acc = tl.sum(window * weight, axis=1)
         tl.store(out_ptr + t * channels + cs, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty), mask=ok)
+        if t - t0 < width:  # a verification query: the inputs kept after this token, to its checkpoint
+            checkpoint = tl.load(checkpoints_ptr + seq * width + t - t0).to(tl.int64)
+            if checkpoint >= 0:
+                to = (checkpoint * channels + cs[:, None]) * (KERNEL - 1) + (pos[None, :] - 1)
+                tl.store(conv_state_ptr + to, window.to(conv_state_ptr.dtype.element_ty),
+                         mask=ok[:, None] & (pos[None, :] >= 1))
     # the new state: the last KERNEL - 1 inputs, window positions 1 .. KERNEL - 1
     tl.store(conv_state_ptr + from_state, window.to(conv_state_ptr.dtype.element_ty), mask=ok[:, None] & (pos[None, :] >= 1))
 
@@ -120,6 +137,6 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     block = 32
     _causal_conv1d_kernel[(num_seqs, triton.cdiv(channels, block))](
         x.contiguous(), weight.contiguous(), conv_state, out, meta.query_start, meta.slots,
-        meta.has_state.to(torch.int32), channels, KERNEL=kernel, BLOCK_C=block,
+        meta.has_state.to(torch.int32), *_checkpoints(meta), channels, KERNEL=kernel, BLOCK_C=block,
     )
     return out

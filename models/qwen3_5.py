@@ -15,7 +15,7 @@ from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vlmserve.kernels import ops
-from vlmserve.kernels.gdn import RecurrentMetadata, causal_conv1d_with_drafts, gated_delta_rule_with_drafts
+from vlmserve.kernels.gdn import RecurrentMetadata
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (
@@ -84,14 +84,14 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         meta: RecurrentMetadata = ctx.layer_state[self.layer_id]
         conv_state, ssm_state = ctx.kv_caches[self.layer_id]
-        conv_out = causal_conv1d_with_drafts(mixed, self.conv1d.weight.squeeze(1), conv_state, meta)
+        conv_out = ops.causal_conv1d(mixed, self.conv1d.weight.squeeze(1), conv_state, meta)
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(n, self.num_k_heads, self.head_k)
         k = k.view(n, self.num_k_heads, self.head_k)
         v = v.view(n, self.num_v_heads, self.head_v)
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = gated_delta_rule_with_drafts(q, k, v, g, beta, ssm_state, meta)
+        core = ops.gated_delta_rule(q, k, v, g, beta, ssm_state, meta)
 
         out = ops.gated_rms_norm(core.reshape(-1, self.head_v), z.reshape(-1, self.head_v), self.norm.weight, self.eps)
         return self.out_proj(out.reshape(n, self.value_dim))

@@ -244,7 +244,8 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(t, with_state):
 def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
     """The C++ conv1d and gated delta rule (the recurrence, token by token) against the
     portable ones (chunked): decodes and prefills, fresh and resuming states in their
-    slots, several 64-token chunks, grouped key heads."""
+    slots, several 64-token chunks, grouped key heads; and two verification queries of
+    speculative decoding, whose states after each draft go to checkpoint slots."""
     from vlmserve.kernels import cpu_extension
     from vlmserve.kernels.gdn import (
         build_recurrent_metadata,
@@ -256,9 +257,11 @@ def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
 
     assert cpu_extension.available()
     torch.manual_seed(0)
-    hk, h, dk, dv, c, kernel, num_slots = 2, 4, 16, 8, 12, 4, 9
-    slots, num_computed, query_lens = [3, 0, 7, 5, 2, 8], [10, 4, 0, 30, 0, 70], [1, 1, 5, 40, 130, 64]
-    meta = build_recurrent_metadata(slots, num_computed, query_lens)
+    hk, h, dk, dv, c, kernel, num_slots = 2, 4, 16, 8, 12, 4, 14
+    slots, num_computed, query_lens = [3, 0, 7, 5, 2, 8, 1, 6], [10, 4, 0, 30, 0, 70, 20, 15], [1, 1, 5, 40, 130, 64, 3, 4]
+    checkpoints = [[]] * 6 + [[10, 11], [12, 13, 4]]
+    meta = build_recurrent_metadata(slots, num_computed, query_lens, checkpoint_slots=checkpoints)
+    assert len(meta.draft_groups) == 2
     t = sum(query_lens)
     q, k = torch.randn(t, hk, dk).to(dtype), torch.randn(t, hk, dk).to(dtype)
     v = torch.randn(t, h, dv).to(dtype)

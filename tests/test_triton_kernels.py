@@ -68,9 +68,11 @@ def test_kv_cache_write_and_varlen_attention():
 
 def recurrent_case(seed: int):
     torch.manual_seed(seed)
-    hk, h, dk, dv, c, kernel, num_slots = 2, 8, 16, 16, 20, 4, 9
-    slots, num_computed, query_lens = [3, 0, 7, 5, 2], [10, 4, 0, 30, 0], [1, 1, 5, 70, 130]
-    meta = gdn.build_recurrent_metadata(slots, num_computed, query_lens)
+    hk, h, dk, dv, c, kernel, num_slots = 2, 8, 16, 16, 20, 4, 14
+    # the last two: verification queries (speculative decoding), a checkpoint slot per draft
+    slots, num_computed, query_lens = [3, 0, 7, 5, 2, 1, 6], [10, 4, 0, 30, 0, 20, 15], [1, 1, 5, 70, 130, 3, 4]
+    checkpoints = [[]] * 5 + [[10, 11], [12, 13, 4]]
+    meta = gdn.build_recurrent_metadata(slots, num_computed, query_lens, checkpoint_slots=checkpoints)
     t = sum(query_lens)
     return dict(meta=meta, q=torch.randn(t, hk, dk), k=torch.randn(t, hk, dk), v=torch.randn(t, h, dv),
                 g=-torch.rand(t, h), beta=torch.rand(t, h), state=torch.randn(num_slots, h, dk, dv),
@@ -79,7 +81,8 @@ def recurrent_case(seed: int):
 
 def test_gated_delta_rule_and_conv1d_of_a_mixed_batch():
     """Decodes and prefills (several 64-token chunks), fresh and resuming states, a GQA
-    ratio of 4 between value and key heads: the states in every slot, and the outputs."""
+    ratio of 4 between value and key heads, verification queries writing checkpoints:
+    the states in every slot, and the outputs."""
     a, b = recurrent_case(0), recurrent_case(0)
     out = triton_gdn.gated_delta_rule_triton(a["q"], a["k"], a["v"], a["g"], a["beta"], a["state"], a["meta"])
     ref = gdn.gated_delta_rule(b["q"], b["k"], b["v"], b["g"], b["beta"], b["state"], b["meta"])

@@ -16,11 +16,15 @@
 // [tokens, channels]; weight [channels, kernel]; conv state [slots, channels, kernel - 1]
 // (the inputs before the sequence's next token). query_start [seqs + 1] (int32), slots
 // [seqs] (int64), has_state [seqs] (bool: resume the slot's state, else start from zeros).
+// checkpoints [seqs, W] (int64; W may be 0): for speculative decoding's verification
+// queries, the slot that receives the state after each of the sequence's first W tokens
+// (-1: none), so a partial acceptance resumes from the last kept token.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <vector>
@@ -85,7 +89,7 @@ void delta_rule_head(const scalar_t* q, const scalar_t* k, const scalar_t* v, co
 
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, at::Tensor& state, const at::Tensor& query_start,
-                            const at::Tensor& slots, const at::Tensor& has_state) {
+                            const at::Tensor& slots, const at::Tensor& has_state, const at::Tensor& checkpoints) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0), "bad shapes");
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous(), "the state must be contiguous fp32");
   TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat, "g and beta must be fp32");
@@ -97,8 +101,11 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
   const at::Tensor qs = query_start.to(at::kInt).contiguous(), sl = slots.to(at::kLong).contiguous();
   const at::Tensor hs = has_state.to(at::kBool).contiguous();
+  const at::Tensor ck = checkpoints.to(at::kLong).contiguous();
   at::Tensor out = at::empty_like(vc);
-  const int64_t num_seqs = sl.size(0), rep = heads / key_heads;
+  const int64_t num_seqs = sl.size(0), rep = heads / key_heads, width = ck.size(1);
+  TORCH_CHECK(ck.size(0) == num_seqs, "checkpoints must be [seqs, W]");
+  const int64_t* ckp = ck.data_ptr<int64_t>();
   const int32_t* qsp = qs.data_ptr<int32_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
   const bool* hsp = hs.data_ptr<bool>();
@@ -112,9 +119,19 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
         const int64_t seq = item / heads, head = item % heads;
         float* S = statep + (slp[seq] * heads + head) * dk * dv;
         if (!hsp[seq]) std::fill(S, S + dk * dv, 0.f);
-        delta_rule_head<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                                  gc.data_ptr<float>(), bc.data_ptr<float>(), out.data_ptr<scalar_t>(), S, qsp[seq],
-                                  qsp[seq + 1], head / rep, head, key_heads, heads, dk, dv, buf);
+        auto run = [&](int64_t t0, int64_t t1) {
+          delta_rule_head<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
+                                    gc.data_ptr<float>(), bc.data_ptr<float>(), out.data_ptr<scalar_t>(), S, t0, t1,
+                                    head / rep, head, key_heads, heads, dk, dv, buf);
+        };
+        const int64_t t0 = qsp[seq], t1 = qsp[seq + 1];
+        const int64_t kept = std::min(width, t1 - t0);  // tokens whose state is checkpointed
+        for (int64_t j = 0; j < kept; ++j) {
+          run(t0 + j, t0 + j + 1);
+          const int64_t c = ckp[seq * width + j];
+          if (c >= 0) std::copy(S, S + dk * dv, statep + (c * heads + head) * dk * dv);
+        }
+        run(t0 + kept, t1);
       }
     });
   });
@@ -122,7 +139,8 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_state,
-                         const at::Tensor& query_start, const at::Tensor& slots, const at::Tensor& has_state) {
+                         const at::Tensor& query_start, const at::Tensor& slots, const at::Tensor& has_state,
+                         const at::Tensor& checkpoints) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(0), "bad shapes");
   const int64_t channels = x.size(1), kernel = weight.size(1), hist = kernel - 1;
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.size(1) == channels && conv_state.size(2) == hist,
@@ -131,8 +149,11 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
   const at::Tensor xc = x.contiguous(), wc = weight.to(at::kFloat).contiguous();
   const at::Tensor qs = query_start.to(at::kInt).contiguous(), sl = slots.to(at::kLong).contiguous();
   const at::Tensor hs = has_state.to(at::kBool).contiguous();
+  const at::Tensor ck = checkpoints.to(at::kLong).contiguous();
   at::Tensor out = at::empty_like(xc);
-  const int64_t num_seqs = sl.size(0);
+  const int64_t num_seqs = sl.size(0), width = ck.size(1);
+  TORCH_CHECK(ck.size(0) == num_seqs, "checkpoints must be [seqs, W]");
+  const int64_t* ckp = ck.data_ptr<int64_t>();
   const int32_t* qsp = qs.data_ptr<int32_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
   const bool* hsp = hs.data_ptr<bool>();
@@ -159,6 +180,12 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
             ot[c] = static_cast<scalar_t>(vlmserve::silu(acc));
           }
           std::copy(win.begin() + channels, win.end(), win.begin());  // slide by one token
+          const int64_t j = t - qsp[seq];
+          if (j < width && ckp[seq * width + j] >= 0) {  // the window after this token
+            scalar_t* to = cs + ckp[seq * width + j] * channels * hist;
+            for (int64_t c = 0; c < channels; ++c)
+              for (int64_t i = 0; i < hist; ++i) to[c * hist + i] = static_cast<scalar_t>(win[i * channels + c]);
+          }
         }
         for (int64_t c = 0; c < channels; ++c)
           for (int64_t i = 0; i < hist; ++i) state[c * hist + i] = static_cast<scalar_t>(win[i * channels + c]);
@@ -172,9 +199,9 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
 
 TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
-        "Tensor query_start, Tensor slots, Tensor has_state) -> Tensor");
+        "Tensor query_start, Tensor slots, Tensor has_state, Tensor checkpoints) -> Tensor");
   m.def("causal_conv1d(Tensor x, Tensor weight, Tensor(a!) conv_state, Tensor query_start, Tensor slots, "
-        "Tensor has_state) -> Tensor");
+        "Tensor has_state, Tensor checkpoints) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
