@@ -1,5 +1,5 @@
 """Speculative decoding (n-gram prompt lookup) on the shipped model: output tok/s with and
-without it, one stream at a time and 8 at once, on three workloads:
+without it, one stream at a time and several at once, on three workloads:
 
 - json: "Describe the image as JSON." — the answer repeats its own keys (copy-heavy);
 - repeat: a second turn asking for the same description as the first turn's answer,
@@ -13,7 +13,7 @@ length (tokens per decoding step of a request with drafts). Every setting's toke
 equal off's. The peer: transformers `generate` one stream at a time, with and without its
 own prompt lookup (`prompt_lookup_num_tokens`), when its model supports it.
 
-    python benchmarks/bench_spec_decode.py [--requests 24] [--repeats 3] [--drafts 2,4] [--threads 2]
+    python benchmarks/bench_spec_decode.py [--requests 32] [--streams 1,8,32] [--repeats 3] [--drafts 2,4]
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def transformers_peer(chats: list, drafts: int, repeats: int) -> dict[str, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=24, help="requests per workload")
+    ap.add_argument("--requests", type=int, default=32, help="requests per workload")
+    ap.add_argument("--streams", default="1,8,32", help="requests at once (the engine's max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drafts", default="2,4", help="num_speculative_tokens settings to compare with off")
     ap.add_argument("--threads", type=int, default=2)
@@ -117,12 +118,13 @@ def main() -> None:
     settings = {"off": {}} | {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k,
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
                                 for k in map(int, args.drafts.split(","))}
-    engines = {name: LLM(speculative_config=config, max_num_seqs=8, dtype="bfloat16")
+    engines = {name: LLM(speculative_config=config, max_num_seqs=max(map(int, args.streams.split(","))),
+                         dtype="bfloat16")
                for name, config in settings.items()}
     work = workloads(args.requests)
-    print(f"\n| workload | streams | setting | tok/s | vs off | acceptance | mean length |\n|---|---|---|---|---|---|---|")
+    print("\n| workload | streams | setting | tok/s | vs off | acceptance | mean length |\n|---|---|---|---|---|---|---|")
     for workload, chats in work.items():
-        for batch in (1, 8):
+        for batch in map(int, args.streams.split(",")):
             for llm in engines.values():
                 run(llm, chats[:batch], batch)  # warm-up
             runs = {name: [] for name in engines}

@@ -20,7 +20,7 @@ from vlmserve.worker.sampler import SamplingBatch
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # chi-square critical values at p = 0.001 by degrees of freedom: a correct sampler fails
 # one run in a thousand (the seeds are fixed, so a run is reproducible)
-CHI2_999 = {3: 16.27, 5: 20.52, 7: 24.32}
+CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}
 
 
 # ----------------------------------------------------------------------------- proposer
@@ -105,6 +105,40 @@ def test_rejection_sampling_keeps_the_target_distribution():
         kept_first = np.mean([len(t) > 1 for t in got])
         expected = p[0][pair[0]]
         assert abs(kept_first - expected) < 4 * np.sqrt(expected * (1 - expected) / len(got))
+
+
+def test_sampled_tokens_of_a_model_keep_its_distribution(qwen25_path):
+    """End to end on a tiny model: 1,200 seeded samples of a prompt (temperature 1,
+    top-k 5), each second token checked against a draft. Among the samples whose first
+    token is the most common one, the second token is distributed as the model says
+    (its top-5 logprobs after that token, renormalized), by a chi-square test."""
+    plain = LLM(qwen25_path, num_kv_blocks=256)
+    first_out = plain.generate("a small red circle in the", SamplingParams(max_tokens=1, logprobs=5))[0]
+    prompt = {"prompt_token_ids": first_out.prompt_token_ids}
+    first = first_out.outputs[0].logprobs[0]
+    likely_first = first.token_ids[1]
+    after = plain.generate({"prompt_token_ids": prompt["prompt_token_ids"] + [likely_first]},
+                           SamplingParams(max_tokens=1, logprobs=5))[0].outputs[0].logprobs[0]
+    top = np.asarray(after.token_ids[1:])
+    p = np.exp(np.asarray(after.logprobs[1:]))
+    p /= p.sum()
+    draft = int(top[1])  # the second most likely: kept about as often as refused
+
+    class Fixed:
+        def propose(self, tokens):
+            return [draft]
+
+    llm = LLM(qwen25_path, num_kv_blocks=512, max_num_seqs=64, speculative_config=NGRAM)
+    llm.engine.engine_core.runner.proposer = Fixed()
+    params = [SamplingParams(temperature=1.0, top_k=5, max_tokens=3, seed=i, ignore_eos=True) for i in range(1200)]
+    outs = llm.generate([prompt] * len(params), params)
+    seconds = [o.outputs[0].token_ids[1] for o in outs if o.outputs[0].token_ids[0] == likely_first]
+    drafted, accepted = acceptance(llm)
+    assert drafted >= len(outs) and 0 < accepted < drafted
+    assert len(seconds) > 200
+    counts = np.asarray([seconds.count(int(t)) for t in top])
+    assert counts.sum() == len(seconds)  # never outside the top 5
+    assert chi_square(counts, p) < CHI2_999[4], (counts, p)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -270,3 +304,48 @@ def test_hybrid_prefix_hit_after_drafts(qwen35_path, hf_qwen35):
         assert max(abs(a - ref_lp[i, t].item()) for i, (a, t) in enumerate(zip(chosen, ref_tokens))) < 1e-4
     assert out.num_cached_tokens > 0 and 0 < acceptance(llm)[1] < acceptance(llm)[0]
     assert_hybrid_free(llm)
+
+
+# ----------------------------------------------------------------------------- served
+@pytest.mark.slow
+def test_served_with_speculation_on_the_shipped_model():
+    """`vlmserve serve --speculative-config ...` on the shipped (hybrid) model, the
+    official client: a question whose answer the prompt already holds (the first turn's)
+    is answered as without speculation, streamed and not, with logprobs for each token;
+    drafts were kept (/metrics). A bad setting stops the command with one line."""
+    import base64
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from test_openai_server import KEY, Server
+
+    sample = Path(__file__).resolve().parent.parent / "samples" / "shapes3.jpg"
+    url = "data:image/jpeg;base64," + base64.b64encode(sample.read_bytes()).decode()
+    ask = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                       {"type": "text", "text": "Describe the image."}]}
+    plain = LLM(dtype="float32").chat([ask], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    chat = [ask, {"role": "assistant", "content": plain}, ask]
+    want = LLM(dtype="float32").chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    server = Server(None, "--api-key", KEY, "--dtype", "float32",
+                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+    try:
+        client = server.client()
+        answer = client.chat.completions.create(model="tiny", messages=chat, temperature=0, max_tokens=40,
+                                                logprobs=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="tiny", messages=chat, temperature=0, max_tokens=40, stream=True) if c.choices)
+        assert answer.choices[0].message.content == streamed == want.text
+        assert len(answer.choices[0].logprobs.content) == answer.usage.completion_tokens == len(want.token_ids)
+        metrics = httpx.get(server.base + "/metrics").text
+        accepted = float(re.search(r"^vlmserve:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M).group(1))
+        assert accepted > 0
+    finally:
+        server.stop()
+    bad = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--speculative-config",
+                          '{"num_speculative_tokens": 0}'], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "num_speculative_tokens must be a positive integer" in bad.stderr
+    assert "Traceback" not in bad.stderr
