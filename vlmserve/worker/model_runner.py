@@ -371,18 +371,7 @@ class ModelRunner:
                 if entry is not None:
                     logprobs[step.req_ids[i]] = [entry]
         if verify_idx:
-            drafts = [batch.token_ids[step.rows[i], batch.num_tokens[step.rows[i]] :][: step.num_drafts[i]].tolist()
-                      for i in verify_idx]
-            rows = [step.rows[i] for i, d in zip(verify_idx, drafts) for _ in range(len(d) + 1)]
-            verified = verify(logits[len(sample_idx) :], drafts, self._sampling_batch(rows, logits.shape[-1], None))
-            restores = []
-            for i, tokens, entries in zip(verify_idx, verified.token_ids, verified.logprobs):
-                sampled[i] = tokens
-                if entries:
-                    logprobs[step.req_ids[i]] = entries
-                if step.checkpoints[i] and len(tokens) <= step.num_drafts[i]:  # a draft was refused
-                    restores.append((step.checkpoints[i][len(tokens) - 1], batch.states[step.rows[i]].state_slot))
-            self._copy_states(restores)  # recurrent layers resume after the last kept token
+            self._verify_drafts(step, logits[len(sample_idx) :], verify_idx, sampled, logprobs)
         draft_token_ids = {}
         for i, (row, c, tokens) in enumerate(zip(step.rows, step.num_computed, sampled)):
             state = batch.states[row]
@@ -401,6 +390,25 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
         )
+
+    def _verify_drafts(self, step: StepInputs, logits: torch.Tensor, verify_idx: list[int],
+                       sampled: list[list[int]], logprobs: dict[str, list[LogprobsEntry]]) -> None:
+        """The tokens of the requests that checked drafts (logits: 1 + drafts rows each);
+        recurrent layers are put back to their state after the last kept token."""
+        batch = self.input_batch
+        rows = [step.rows[i] for i in verify_idx]
+        drafts = [batch.token_ids[r, batch.num_tokens[r] : batch.num_tokens[r] + step.num_drafts[i]].tolist()
+                  for r, i in zip(rows, verify_idx)]
+        row_of_logits = [r for r, d in zip(rows, drafts) for _ in range(len(d) + 1)]
+        verified = verify(logits, drafts, self._sampling_batch(row_of_logits, logits.shape[-1], None))
+        restores = []
+        for i, row, tokens, entries in zip(verify_idx, rows, verified.token_ids, verified.logprobs):
+            sampled[i] = tokens
+            if entries:
+                logprobs[step.req_ids[i]] = entries
+            if step.checkpoints[i] and len(tokens) <= step.num_drafts[i]:  # a draft was refused
+                restores.append((step.checkpoints[i][len(tokens) - 1], batch.states[row].state_slot))
+        self._copy_states(restores)
 
     def _sampling_batch(self, rows: list[int], vocab: int, grammar: GrammarBitmask | None) -> SamplingBatch:
         """The sampling settings of these batch rows, as tensors over the rows."""
