@@ -53,6 +53,22 @@ def test_qwen3_5_on_triton_kernels(triton_llm, qwen35_path, hf_qwen35):
     check(out, hf_qwen35, text, images, 6)
 
 
+def test_speculative_decoding_on_triton_kernels(triton_llm, qwen35_path, hf_qwen35):
+    """Drafts checked by the Triton kernels: verification queries through paged attention,
+    the delta rule and the conv writing their per-draft checkpoints; kept and refused
+    drafts (the oracle proposer of the speculative-decoding tests) give transformers'
+    tokens."""
+    from test_spec_decode import NGRAM, with_oracle
+
+    text, images = CASES["one_image"]
+    plain = LLM(qwen35_path, num_kv_blocks=256).generate(request(hf_qwen35, text, images), greedy(max_tokens=10))
+    llm = with_oracle(triton_llm(qwen35_path, speculative_config=NGRAM), plain)
+    out = llm.generate(request(hf_qwen35, text, images), greedy(max_tokens=10))[0]
+    check(out, hf_qwen35, text, images, 10)
+    stats = llm.engine.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 @pytest.mark.parametrize("family", ["qwen3vl", "qwen3vlmoe"])
 def test_qwen3_vl_on_triton_kernels(triton_llm, family, request):
     """Qwen3 attention (q/k norms), DeepStack and the experts; chunked prefill through two
