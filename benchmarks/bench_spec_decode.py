@@ -6,7 +6,8 @@ without it, one stream at a time and several at once, on three workloads:
   which is in the prompt (copy-heavy: the model transcribes text it was given);
 - plain: the shapes questions mixed (short answers; little to copy).
 
-Engines alternate (off, then each setting of --drafts), medians of --repeats runs after a
+Engines alternate (off, each setting of --drafts, the last of them with
+disable_by_batch_size), medians of --repeats runs after a
 warm-up, caches emptied before each run, greedy decoding. Printed per run: tok/s, the
 ratio to off, the acceptance rate (kept over checked drafts) and the mean acceptance
 length (tokens per decoding step of a request with drafts). Every setting's tokens must
@@ -109,15 +110,21 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8,32", help="requests at once (the engine's max_num_seqs)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--drafts", default="2,4", help="num_speculative_tokens settings to compare with off")
+    ap.add_argument("--disable-by-batch-size", type=int, default=8,
+                    help="also the last --drafts setting with this disable_by_batch_size (0: not)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_flags()}, {args.threads} threads; model: the shipped {SHIPPED_MODEL.name}, bf16; "
           f"greedy, max {MAX_TOKENS} tokens; medians of {args.repeats}")
-    settings = {"off": {}} | {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k,
-                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-                                for k in map(int, args.drafts.split(","))}
+    ngram = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                              "prompt_lookup_max": 4} for k in map(int, args.drafts.split(","))}
+    settings = {"off": {}} | ngram
+    if args.disable_by_batch_size:
+        name, config = list(ngram.items())[-1]
+        settings[f"{name}, off above {args.disable_by_batch_size} running"] = {
+            **config, "disable_by_batch_size": args.disable_by_batch_size}
     engines = {name: LLM(speculative_config=config, max_num_seqs=max(map(int, args.streams.split(","))),
                          dtype="bfloat16")
                for name, config in settings.items()}

@@ -46,6 +46,7 @@ def test_speculative_settings_are_checked():
     assert SpeculativeConfig.from_dict({}) is None
     for bad, why in (({"method": "eagle"}, "not supported"), ({"num_speculative_tokens": 0}, "positive"),
                      ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
+                     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be a positive integer"),
                      ({"tokens": 3}, "unknown setting")):
         with pytest.raises(ValueError, match=why):
             SpeculativeConfig.from_dict(bad)
@@ -204,6 +205,19 @@ def test_an_abort_with_drafts_in_flight_leaves_nothing_behind(spec_llm, hf_qwen2
     engine.step()
     assert not engine.has_unfinished_requests()
     assert_all_free(spec_llm)
+
+
+def test_no_drafts_while_more_requests_run_than_the_limit(qwen25_path, hf_qwen25):
+    """disable_by_batch_size: a full batch is compute-bound, checking drafts costs more
+    than it saves; a lone request drafts again."""
+    llm = LLM(qwen25_path, num_kv_blocks=256, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    prompt = request(hf_qwen25, "Hello world " * 6, [])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    together = run_together(llm, [prompt] * 3, [params] * 3)  # three run from the first step to the last
+    assert acceptance(llm) == (0, 0)
+    alone = llm.generate(prompt, params)[0]
+    assert acceptance(llm)[0] > 0
+    assert all(o.outputs[0].token_ids == alone.outputs[0].token_ids for o in together)
 
 
 def test_stop_strings_and_sampling_with_seeds(spec_llm, qwen25_path, hf_qwen25):

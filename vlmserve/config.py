@@ -14,6 +14,9 @@ class SchedulerConfig:
     # encoder budget of one step, and encoder cache capacity, in embedding tokens
     encoder_compute_budget: int = 8192
     encoder_cache_size: int = 16384
+    # speculative decoding: drafts are checked only while at most this many requests run
+    # (None: always); above it a step is compute-bound and checking drafts costs more
+    max_running_for_drafts: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # draft tokens proposed per request and step, at most
     prompt_lookup_min: int = 2  # the shortest n-gram looked up
     prompt_lookup_max: int = 4  # the longest n-gram looked up (longer ones are tried first)
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
 
     @classmethod
     def from_dict(cls, settings: dict) -> SpeculativeConfig | None:
@@ -47,6 +51,9 @@ class SpeculativeConfig:
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        limit = config.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer, got {limit!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
         return config

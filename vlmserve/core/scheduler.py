@@ -225,10 +225,13 @@ class Scheduler:
                 plan.drafts[request.request_id] = drafts
 
     def _drafts_that_fit(self, request: Request, num_new: int, token_budget: int) -> list[int]:
-        """The request's drafts this step checks: only when it decodes its last token,
-        and only as many as the token budget, the context and max_tokens leave room for
-        (a step emits at most one token more than it checks)."""
+        """The request's drafts this step checks: only when it decodes its last token and
+        not too many requests run, and only as many as the token budget, the context and
+        max_tokens leave room for (a step emits at most one token more than it checks)."""
         if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        limit = self.config.max_running_for_drafts
+        if limit is not None and len(self.running) > limit:
             return []
         room = min(token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens

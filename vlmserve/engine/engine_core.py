@@ -120,6 +120,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         enable_chunked_prefill=args.chunked_prefill,
         encoder_compute_budget=args.encoder_compute_budget,
         encoder_cache_size=args.encoder_cache_size,
+        max_running_for_drafts=speculative.disable_by_batch_size if speculative else None,
     )
     timer = timer or PhaseTimer(args.time_steps)
     runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative)
