@@ -14,7 +14,7 @@ length (tokens per decoding step of a request with drafts). Every setting's toke
 equal off's. The peer: transformers `generate` one stream at a time, with and without its
 own prompt lookup (`prompt_lookup_num_tokens`), when its model supports it.
 
-    python benchmarks/bench_spec_decode.py [--requests 32] [--streams 1,8,32] [--repeats 3] [--drafts 2,4]
+    python benchmarks/bench_spec_decode.py [--requests 48] [--streams 1,8,32] [--repeats 5] [--drafts 2,4]
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ def transformers_peer(chats: list, drafts: int, repeats: int) -> dict[str, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=32, help="requests per workload")
+    ap.add_argument("--requests", type=int, default=48, help="requests per workload")
     ap.add_argument("--streams", default="1,8,32", help="requests at once (the engine's max_num_seqs)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--drafts", default="2,4", help="num_speculative_tokens settings to compare with off")
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="also the last --drafts setting with this disable_by_batch_size (0: not)")
@@ -129,7 +129,8 @@ def main() -> None:
                          dtype="bfloat16")
                for name, config in settings.items()}
     work = workloads(args.requests)
-    print("\n| workload | streams | setting | tok/s | vs off | acceptance | mean length |\n|---|---|---|---|---|---|---|")
+    print("\n| workload | streams | setting | tok/s (min-max) | vs off | acceptance | mean length |\n"
+          "|---|---|---|---|---|---|---|")
     for workload, chats in work.items():
         for batch in map(int, args.streams.split(",")):
             for llm in engines.values():
@@ -140,11 +141,13 @@ def main() -> None:
                     runs[name].append(run(llm, chats, batch))
             base = statistics.median(r["tok_s"] for r in runs["off"])
             for name, results in runs.items():
-                tok_s = statistics.median(r["tok_s"] for r in results)
+                speeds = [r["tok_s"] for r in results]
+                tok_s = statistics.median(speeds)
                 last = results[-1]
                 if last["tokens"] != runs["off"][-1]["tokens"]:
                     raise SystemExit(f"{name} on {workload}: tokens differ from off")
-                print(f"| {workload} | {batch} | {name} | {tok_s:,.0f} | {tok_s / base:.2f}x | "
+                print(f"| {workload} | {batch} | {name} | {tok_s:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) | "
+                      f"{tok_s / base:.2f}x | "
                       f"{last['acceptance']:.0%} | {last['mean_length']:.2f} |")
     if not args.no_transformers:
         print("\ntransformers generate, one stream, bf16 (tok/s):")
