@@ -58,6 +58,8 @@ class SchedulerOutput:
     # hybrid models: req_id -> a recurrent-state slot per draft, for the state after its
     # last token and after each draft but the last
     draft_checkpoints: dict[str, list[int]] = field(default_factory=dict)
+    # whether drafts proposed after this step could be checked (not while too many run)
+    propose_drafts: bool = True
 
 
 @dataclass

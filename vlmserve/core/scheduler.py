@@ -230,14 +230,18 @@ class Scheduler:
         max_tokens leave room for (a step emits at most one token more than it checks)."""
         if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return []
-        limit = self.config.max_running_for_drafts
-        if limit is not None and len(self.running) > limit:
+        if not self._drafting():
             return []
         room = min(token_budget - 1, self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         return request.draft_token_ids[: max(room, 0)]
+
+    def _drafting(self) -> bool:
+        """Drafts are checked unless more requests run than max_running_for_drafts."""
+        limit = self.config.max_running_for_drafts
+        return limit is None or len(self.running) <= limit
 
     def _allocate_or_preempt(self, request: Request, num_new: int, to_encode: list[int],
                              plan: StepPlan) -> list[list[int]] | None:
@@ -330,6 +334,7 @@ class Scheduler:
             state_saves=state_saves,
             scheduled_draft_tokens=plan.drafts,
             draft_checkpoints=kv.draft_checkpoints(),
+            propose_drafts=self._drafting(),
         )
         self.finished_req_ids = set()
         # progress is counted at schedule time, so the next step can be planned at once

@@ -37,6 +37,7 @@ class StepInputs:
     query_lens: list[int]
     num_drafts: list[int]  # draft tokens at the end of each request's query
     checkpoints: list[list[int]]  # hybrid models: each request's state checkpoint slots (with drafts)
+    propose_drafts: bool  # the scheduler could check drafts proposed now
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [3, tokens]
 
@@ -228,6 +229,7 @@ class ModelRunner:
             query_lens=query_lens,
             num_drafts=[len(so.scheduled_draft_tokens.get(rid, ())) for rid in order],
             checkpoints=[so.draft_checkpoints.get(rid, []) for rid in order],
+            propose_drafts=so.propose_drafts,
             input_ids=self.staging.upload("input_ids", np.concatenate(ids)),
             positions=torch.cat(pos, dim=1) if len(pos) > 1 else pos[0],
         )
@@ -373,6 +375,7 @@ class ModelRunner:
         if verify_idx:
             self._verify_drafts(step, logits[len(sample_idx) :], verify_idx, sampled, logprobs)
         draft_token_ids = {}
+        proposer = self.proposer if step.propose_drafts else None
         for i, (row, c, tokens) in enumerate(zip(step.rows, step.num_computed, sampled)):
             state = batch.states[row]
             # computed: the step's tokens, less the refused drafts
@@ -380,8 +383,8 @@ class ModelRunner:
             for token in tokens:
                 batch.append_token(row, token)
             state.num_output_tokens += len(tokens)
-            if tokens and self.proposer and can_verify(state.sampling_params, state.num_output_tokens):
-                draft_token_ids[step.req_ids[i]] = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            if tokens and proposer and can_verify(state.sampling_params, state.num_output_tokens):
+                draft_token_ids[step.req_ids[i]] = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
