@@ -139,7 +139,7 @@ def _draft_groups(slots: list[int], query_lens: list[int], checkpoint_slots: lis
     ]
 
 
-def conv1d_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, groups: list[DraftGroup],
+def _conv1d_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, groups: list[DraftGroup],
                   out: torch.Tensor) -> None:
     """Verification queries through the conv (portable), each position's window (the
     last K-1 inputs up to it) kept in its checkpoint slot."""
@@ -154,7 +154,7 @@ def conv1d_drafts(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         conv_state[group.slots] = carried[:, -1].to(conv_state.dtype)
 
 
-def delta_rule_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def _delta_rule_drafts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, groups: list[DraftGroup], out: torch.Tensor) -> None:
     """Verification queries through the delta rule (portable), a position at a time,
     each position's state kept in its checkpoint slot."""
@@ -185,7 +185,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     for group in meta.prefill_groups:
         init = conv_state[group.slots] if group.has_state else None
         out[group.token_index], conv_state[group.slots] = causal_conv1d_prefill(x[group.token_index], weight, init)
-    conv1d_drafts(x, weight, conv_state, meta.draft_groups, out)
+    _conv1d_drafts(x, weight, conv_state, meta.draft_groups, out)
     return out
 
 
@@ -211,7 +211,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         idx = group.token_index
         init = state[group.slots] if group.has_state else None
         out[idx], state[group.slots] = chunk_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], init)
-    delta_rule_drafts(q, k, v, g, beta, state, meta.draft_groups, out)
+    _delta_rule_drafts(q, k, v, g, beta, state, meta.draft_groups, out)
     return out
 
 

@@ -165,6 +165,37 @@ def _decisions(server: Server) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- faults
+def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
+    """Ray Serve's cancel is best effort (one that crosses the request's start on the
+    replica is lost), so the ingress also posts a request it gives up on to the hub, and
+    the replica serving it aborts it. Posted here by hand for a stream nobody cancelled,
+    as if Ray had lost the cancel: the replica stops it and frees its blocks."""
+    import ray
+
+    from vlmserve.entrypoints.openai.replicas import APP, HUB
+
+    client = server.client()
+    running = lambda: sum(replica_series(server, "num_requests_running").values())  # noqa: E731
+    wait_for(lambda: running() == 0, what="earlier requests to end")
+    stream = client.chat.completions.create(model="tiny", max_tokens=5000, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            messages=[{"role": "user", "content": "Tell a long story. " * 3}])
+    chunks = iter(stream)
+    request_id = next(chunks).id  # the engine's request id
+    wait_for(lambda: running() == 1, what="a report of the request running")
+    ray.init(address="auto", log_to_driver=False)
+    try:
+        ray.get(ray.get_actor(HUB, namespace=APP).give_up.remote(request_id))
+    finally:
+        ray.shutdown()
+    with pytest.raises(openai.APIError, match="ended the request without an answer"):
+        for _ in chunks:
+            pass
+    wait_for(lambda: running() == 0 and not sum(replica_series(server, "kv_cache_blocks_in_use").values()),
+             what="the replica to free the request")
+    assert chat(client, make_image(90, 90, seed=7), "Describe the image.").usage.completion_tokens  # next works
+
+
 def test_a_replica_killed_mid_stream(server):
     """Its stream ends with an OpenAI-format error (no hang), the next request goes to
     the survivor, and Ray Serve starts a new replica."""

@@ -47,13 +47,12 @@ class SpeculativeConfig:
         config = cls(**settings)
         if config.method != "ngram":
             raise ValueError(f"speculative_config: method {config.method!r} is not supported; use \"ngram\"")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(config, name)
+            if name == "disable_by_batch_size" and value is None:
+                continue  # optional
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
-        limit = config.disable_by_batch_size
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer, got {limit!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
         return config
