@@ -344,3 +344,31 @@ def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
     pool.abort_step()
     pool.commit()
     assert pool.lookup("d") is None and pool.free and pool.num_free() == 3  # its slot is free again
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_block_belongs_to_one_group_at_a_time(seed):
+    """Full and sliding-window groups share one pool (and tensor slots): a block one group
+    takes as a prefix-cache hit must never be handed to the other as a new block in the
+    same allocation (the two would write each other's keys). Requests sharing prefixes
+    on a small pool, under preemption."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=20, budget=16, window=8, max_len=64)
+    runner = FakeRunner(sched)
+    for i in range(24):
+        prefix = make_request("p", 24, 1, seed=rng.randint(0, 2)).prompt_token_ids[: rng.choice([8, 12, 16, 24])]
+        tail = [rng.randint(5, 50) for _ in range(rng.randint(1, 10))]
+        sched.add_request(Request(f"r{i}", prefix + tail, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True),
+                                  EOS, [], block_hasher=BlockHasher(BS)))
+
+    def one_group_per_block(step, so):
+        owner = {}
+        for g, manager in sched.kv_cache_manager.attention_managers:
+            for blocks in manager.req_to_blocks.values():
+                for b in blocks:
+                    if not b.is_null:
+                        assert owner.setdefault(b.block_id, g) == g, f"block {b.block_id} in groups {owner[b.block_id]} and {g}"
+
+    run_to_completion(sched, runner, one_group_per_block)
+    assert sched.num_preemptions > 0 and sched.kv_cache_manager.stats.hits[1] > 0
+    assert_everything_free(sched)

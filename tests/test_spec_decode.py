@@ -3,6 +3,7 @@ sampling that keeps the target distribution), and the engine with it on: transfo
 greedy tokens and logprobs in every scheduling situation, nothing left behind."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -318,6 +319,138 @@ def test_hybrid_prefix_hit_after_drafts(qwen35_path, hf_qwen35):
         assert max(abs(a - ref_lp[i, t].item()) for i, (a, t) in enumerate(zip(chosen, ref_tokens))) < 1e-4
     assert out.num_cached_tokens > 0 and 0 < acceptance(llm)[1] < acceptance(llm)[0]
     assert_hybrid_free(llm)
+
+
+# ----------------------------------------------------------------------------- draft model
+def draft_settings(path: str, k: int = 3) -> dict:
+    return {"model": path, "num_speculative_tokens": k}
+
+
+def noisy_copy(src: str, dst, scale: float, seed: int = 0) -> str:
+    """The checkpoint with noise added to the MLP weights of its language model (a draft
+    that often agrees with the original and sometimes not) and of its vision tower (so
+    the draft reads pictures with an encoder of its own)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    for file in sorted(Path(dst).glob("*.safetensors")):
+        weights = load_file(file)
+        for name, w in weights.items():
+            vision_mlp = "visual" in name and ".mlp." in name and w.ndim == 2
+            if vision_mlp or (name.endswith("mlp.down_proj.weight") and "visual" not in name):
+                weights[name] = w + scale * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+        save_file(weights, file, metadata={"format": "pt"})
+    return str(dst)
+
+
+def hybrid_free(llm):
+    from test_qwen3_5_parity import assert_all_free as assert_hybrid_free
+
+    assert_hybrid_free(llm)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen35"])
+def test_a_draft_model_that_is_its_target_has_every_guess_kept(family, request):
+    """The draft model's cache must hold what the target's holds (prompt chunks, pictures
+    through its own encoder, kept drafts, prefix hits, recomputation after preemption),
+    or its guesses drift from the target's greedy tokens: with the target as its own
+    draft, every guess is kept, in mixed batches with pictures, in small steps, under
+    preemption and on prefix hits; transformers' tokens and logprobs; nothing left."""
+    path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
+    assert_free = hybrid_free if family == "qwen35" else assert_all_free
+    specs, prompts, _ = mixed_requests(hf)
+    settings = [{"num_kv_blocks": 256}, {"num_kv_blocks": 256, "max_num_batched_tokens": 7},
+                {"num_kv_blocks": 14 if family == "qwen35" else 22, "max_num_seqs": 8}]
+    for i, engine_settings in enumerate(settings):
+        if i == 2:  # longer answers: the tiny cache must preempt
+            specs = [(text, images, 2 * n) for text, images, n in specs]
+        params = [greedy(n, prompt_logprobs=-1) for _, _, n in specs]
+        llm = LLM(path, speculative_config=draft_settings(path), **engine_settings)
+        outs = run_together(llm, prompts, params)
+        for out, (text, images, n) in zip(outs, specs):
+            check(out, hf, text, images, n, prompt_logprobs=True)
+        if i == 0:  # again, without prompt logprobs: prefix hits, pictures included
+            outs = run_together(llm, prompts, [greedy(n) for _, _, n in specs])
+            for out, (text, images, n) in zip(outs, specs):
+                check(out, hf, text, images, n)
+            assert all(out.num_cached_tokens > 0 for out in outs if len(out.prompt_token_ids) > 16)
+        drafted, accepted = acceptance(llm)
+        assert drafted > 0 and accepted == drafted, (engine_settings, drafted, accepted)
+        assert_free(llm)
+        if i == 2:
+            assert llm.engine.stats().num_preemptions > 0
+
+
+def recorded_drafts(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list, list[tuple[int, list, list]]]:
+    """Runs the prompts together; returns their outputs and, after every step, each
+    request's index, tokens so far and the drafts proposed for them."""
+    engine = llm.engine
+    scheduler = engine.engine_core.scheduler
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"rec-{i}", prompt, params)
+    done, pairs = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        pairs += [(int(r.request_id.split("-")[1]), list(r.all_token_ids), list(r.draft_token_ids))
+                  for r in scheduler.requests.values() if r.draft_token_ids]
+    return [done[f"rec-{i}"] for i in range(len(prompts))], pairs
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen35"])
+def test_draft_model_guesses_are_its_own_greedy_continuations(family, request, tmp_path):
+    """A draft that is right only sometimes, with a vision tower of its own: each step's
+    drafts are exactly the draft model's greedy continuation of the request's tokens so
+    far (as that model alone gives it), pictures included, through refusals part-way,
+    small steps and preemption (so the catch-up rewrote what refused guesses had written,
+    and the guesses never moved the live recurrent state); the answers are the target's."""
+    import test_qwen2_5_vl_parity as parity
+
+    path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
+    draft = noisy_copy(path, tmp_path / "draft", scale=0.3)
+    cases = [("Describe the image.", [IMG_A]), ("Hello world " * 4, []), ("What is in this picture?", [IMG_A, parity.IMG_B]),
+             ("a small red circle " * 3, [])]
+    prompts = [parity.request(hf, text, images) for text, images in cases]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=256).generate(prompts, params)]
+    # the draft alone, from each prompt (its placeholders unexpanded) and the tokens after it
+    unexpanded = [hf.processor.tokenizer.encode(p["prompt"], add_special_tokens=False) for p in prompts]
+    pads = {hf.processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>")}
+    draft_alone = LLM(draft, num_kv_blocks=256)
+    for engine_settings in ({"num_kv_blocks": 256, "max_num_batched_tokens": 7},
+                            {"num_kv_blocks": 14 if family == "qwen25" else 11, "max_num_seqs": 4}):
+        llm = LLM(path, speculative_config=draft_settings(draft, 4), **engine_settings)
+        outs, pairs = recorded_drafts(llm, prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        drafted, accepted = acceptance(llm)
+        assert 0 < accepted < drafted, (drafted, accepted)  # kept and refused
+        checked = []
+        for i, tokens, drafts in pairs:
+            generated = tokens[len(outs[i].prompt_token_ids):]
+            if not pads & set(generated):  # (a random model may say a placeholder)
+                checked.append(({"prompt_token_ids": unexpanded[i] + generated,
+                                 "multi_modal_data": {"image": cases[i][1]}}, drafts))
+        assert len(checked) > 20 and any(p["multi_modal_data"]["image"] for p, _ in checked)
+        continuations = draft_alone.generate([p for p, _ in checked],
+                                             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert [d for _, d in checked] == [c.outputs[0].token_ids[: len(d)] for c, (_, d) in zip(continuations, checked)]
+        (hybrid_free if family == "qwen35" else assert_all_free)(llm)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_draft_models_that_cannot_draft_are_refused(qwen25_path, qwen35_path, tmp_path):
+    from vlmserve.testing.checkpoints import build_qwen2_5_vl
+
+    other_vocab = str(build_qwen2_5_vl(tmp_path / "vocab", vocab_size=300))
+    for draft, why in ((other_vocab, "vocab"), (qwen35_path, "model_type"), (str(tmp_path / "none"), "no such folder")):
+        with pytest.raises(ConfigError, match=why):
+            LLM(qwen25_path, speculative_config=draft_settings(draft))
+    with pytest.raises(ConfigError, match="needs \"model\""):
+        LLM(qwen25_path, speculative_config={"method": "draft_model"})
 
 
 # ----------------------------------------------------------------------------- served

@@ -17,6 +17,8 @@ class SchedulerConfig:
     # speculative decoding: drafts are checked only while at most this many requests run
     # (None: always); above it a step is compute-bound and checking drafts costs more
     max_running_for_drafts: int | None = None
+    # KV slots allocated past a request's step for a draft model to write its guesses into
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -29,11 +31,14 @@ class SpeculativeConfig:
     """Speculative decoding: a proposer guesses the next tokens of a decoding request,
     and one forward of the model checks them all (vLLM's names for the settings)."""
 
-    method: str = "ngram"  # ngram: prompt lookup (the request's own tokens)
+    # ngram: prompt lookup (the request's own tokens); draft_model: a smaller checkpoint
+    # with the same tokenizer (the default when `model` is given)
+    method: str = "ngram"
     num_speculative_tokens: int = 4  # draft tokens proposed per request and step, at most
-    prompt_lookup_min: int = 2  # the shortest n-gram looked up
-    prompt_lookup_max: int = 4  # the longest n-gram looked up (longer ones are tried first)
+    prompt_lookup_min: int = 2  # ngram: the shortest n-gram looked up
+    prompt_lookup_max: int = 4  # ngram: the longest n-gram looked up (longer ones are tried first)
     disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+    model: str | None = None  # draft_model: its checkpoint folder or hub id
 
     @classmethod
     def from_dict(cls, settings: dict) -> SpeculativeConfig | None:
@@ -44,9 +49,17 @@ class SpeculativeConfig:
         unknown = set(settings) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if settings.get("model") is not None and "method" not in settings:
+            settings = {**settings, "method": "draft_model"}
         config = cls(**settings)
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not supported; use \"ngram\"")
+        if config.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config: method {config.method!r} is not supported; use \"ngram\" or "
+                             f"\"draft_model\"")
+        if config.method == "draft_model" and not isinstance(config.model, str):
+            raise ValueError("speculative_config: method \"draft_model\" needs \"model\": the draft's checkpoint "
+                             "folder or hub id")
+        if config.method == "ngram" and config.model is not None:
+            raise ValueError("speculative_config: \"model\" is for method \"draft_model\", not \"ngram\"")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(config, name)
             if name == "disable_by_batch_size" and value is None:

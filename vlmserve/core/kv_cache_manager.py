@@ -99,10 +99,11 @@ class KVCacheManager:
             self.stats.hits[g] += tokens
 
     # -- allocation -------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       hit: PrefixHit | None = None) -> list[list[int]] | None:
-        """Makes room for num_new_tokens more tokens; None if the pool cannot. Returns
-        the new block ids per attention group.
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                       num_lookahead_tokens: int = 0) -> list[list[int]] | None:
+        """Makes room for num_new_tokens more tokens, and num_lookahead_tokens after them
+        (a draft model's guesses); None if the pool cannot. Returns the new block ids per
+        attention group.
 
         A new request's prefix hit is taken first (its blocks, its state snapshot). On
         success, the request's full blocks are registered in the prefix cache.
@@ -113,16 +114,19 @@ class KVCacheManager:
         hit_blocks = hit.blocks if hit else [[] for _ in self.attention_managers]
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_tokens = min(num_computed + num_new_tokens, self.max_model_len)
-        needed = sum(m.get_num_blocks_to_allocate(rid, num_tokens, hit_blocks[a])
+        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+        needed = sum(m.get_num_blocks_to_allocate(rid, num_slots, hit_blocks[a])
                      for a, (_, m) in enumerate(self.attention_managers))
         if needed > self.block_pool.get_num_free_blocks():
             return None
         if self.states:
             self.states.take_slot(rid, hit.state if hit else None)
-        new_blocks = []
+        # every group's hits leave the free queue before any group takes new blocks from
+        # it: a hit of one group must not be handed to another as a new block
         for a, (_, manager) in enumerate(self.attention_managers):
             manager.save_new_computed_blocks(rid, hit_blocks[a])
-            new_blocks.append([b.block_id for b in manager.allocate_new_blocks(rid, num_tokens)])
+        new_blocks = [[b.block_id for b in manager.allocate_new_blocks(rid, num_slots)]
+                      for _, manager in self.attention_managers]
         if self.enable_caching:
             cacheable = min(num_tokens, request.num_tokens)
             for _, manager in self.attention_managers:

@@ -12,8 +12,9 @@ import torch
 class KVCacheSpec:
     block_size: int
 
-    def max_blocks_for(self, num_tokens: int) -> int:
-        """Most blocks one request of num_tokens holds in this group at once."""
+    def max_blocks_for(self, num_tokens: int, query_len: int = 1) -> int:
+        """Most blocks one request of num_tokens holds in this group at once, computing
+        up to query_len tokens a step."""
         return math.ceil(num_tokens / self.block_size)
 
 
@@ -39,9 +40,11 @@ class FullAttentionSpec(AttentionSpec):
 class SlidingWindowSpec(AttentionSpec):
     sliding_window: int  # a query sees itself and the sliding_window - 1 tokens before it
 
-    def max_blocks_for(self, num_tokens: int) -> int:
-        # the window can straddle one more block than it covers
-        return min(super().max_blocks_for(num_tokens), math.ceil(self.sliding_window / self.block_size) + 1)
+    def max_blocks_for(self, num_tokens: int, query_len: int = 1) -> int:
+        # the first query token's window, through the last query token; it can straddle
+        # one more block than it covers
+        span = self.sliding_window + query_len - 1
+        return min(super().max_blocks_for(num_tokens), math.ceil(span / self.block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class MambaSpec(KVCacheSpec):
         conv = math.prod(self.conv_shape) * torch.empty((), dtype=self.dtype).element_size()
         return conv + math.prod(self.ssm_shape) * 4
 
-    def max_blocks_for(self, num_tokens: int) -> int:
+    def max_blocks_for(self, num_tokens: int, query_len: int = 1) -> int:
         return 0
 
 
@@ -108,10 +111,12 @@ def state_slot_bytes(groups: list[KVCacheGroup]) -> int:
     return sum(len(g.layer_ids) * g.spec.slot_bytes for g in groups if isinstance(g.spec, MambaSpec))
 
 
-def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int) -> int:
+def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int, extra_bytes_per_block: int = 0) -> int:
+    """Blocks that fit memory_bytes; extra_bytes_per_block: what other layers on the same
+    block ids take (a draft model's)."""
     specs = [g.spec for g in groups if isinstance(g.spec, AttentionSpec)]
     if not specs:
         return 2
     page = max(s.page_size_bytes for s in specs)
     slots = max(len(g.layer_ids) for g in groups if isinstance(g.spec, AttentionSpec))
-    return max(2, memory_bytes // (page * slots))
+    return max(2, memory_bytes // (page * slots + extra_bytes_per_block))

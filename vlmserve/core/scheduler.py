@@ -249,7 +249,8 @@ class Scheduler:
         request (the latest of the lowest priority) until they fit; None if that was
         the request itself."""
         while True:
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                          num_lookahead_tokens=self.config.num_lookahead_tokens)
             if blocks is not None:
                 return blocks
             victim = max(self.running, key=lambda r: r.scheduling_key)
@@ -273,7 +274,8 @@ class Scheduler:
             request = self.waiting.peek()
             hit = self.kv_cache_manager.find_prefix_hit(request)
             num_new, to_encode, cost = self._plan_tokens(request, hit.num_tokens, plan)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit) if num_new else None
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit, self.config.num_lookahead_tokens) \
+                if num_new else None
             if blocks is None:
                 self._cancel_encoder_inputs(request, to_encode, plan)
                 break

@@ -12,11 +12,12 @@ import torch
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
-from vlmserve.core.kv_cache_spec import KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
+from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
+from vlmserve.spec_decode.draft_model import draft_checkpoint, load_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model
@@ -109,10 +110,18 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     speculative = args.speculative()
+    draft_model, draft_groups = None, []
     if speculative:
         logger.info("speculative decoding: %s", speculative)
-    kv_config = kv_cache_config(args, groups, speculative.num_speculative_tokens if speculative else 0)
-    max_model_len = fit_max_model_len(args, hf_config, kv_config)
+        if speculative.method == "draft_model":
+            draft_path = draft_checkpoint(speculative, model_path, args.download_dir)
+            draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, args.device, args.pack_weights,
+                                                         args.use_triton, args.block_size)
+    num_drafts = speculative.num_speculative_tokens if speculative else 0
+    kv_config = kv_cache_config(args, groups, num_drafts, draft_groups)
+    # a decode step with drafts computes 1 + k tokens; a draft model writes k more after them
+    max_query_len = 1 + num_drafts + (num_drafts if draft_model is not None else 0)
+    max_model_len = fit_max_model_len(args, hf_config, kv_config, max_query_len)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -121,9 +130,11 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         encoder_compute_budget=args.encoder_compute_budget,
         encoder_cache_size=args.encoder_cache_size,
         max_running_for_drafts=speculative.disable_by_batch_size if speculative else None,
+        num_lookahead_tokens=num_drafts if draft_model is not None else 0,
     )
     timer = timer or PhaseTimer(args.time_steps)
-    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative)
+    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative,
+                         draft_model)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
@@ -132,13 +143,16 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     return EngineCore(scheduler, runner, structured, timer), info
 
 
-def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0) -> KVCacheConfig:
+def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=()) -> KVCacheConfig:
     """Splits the KV memory budget: recurrent layers first get a state slot for every
     request that can run at once (and one per draft: checkpoints for speculative
     decoding), plus snapshot slots for prefix caching (a quarter of the budget at most);
-    attention blocks get the rest."""
+    attention blocks get the rest. A draft model's layers take their share of each slot
+    and block (and a scratch state slot per request)."""
     budget = int(args.kv_cache_memory_gb * (1 << 30))
-    slot_bytes = state_slot_bytes(groups)
+    draft_slot_bytes = state_slot_bytes(list(draft_groups))
+    budget -= args.max_num_seqs * draft_slot_bytes
+    slot_bytes = state_slot_bytes(groups) + draft_slot_bytes
     num_slots = 0
     if slot_bytes:
         snapshots = args.num_state_snapshots
@@ -148,13 +162,16 @@ def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0) -> KVCacheCon
         budget -= num_slots * slot_bytes
         if budget <= 0 and args.num_kv_blocks is None:
             raise ValueError("kv_cache_memory_gb is too small for the recurrent states of max_num_seqs requests")
-    num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget)
+    draft_block_bytes = sum(len(g.layer_ids) * g.spec.page_size_bytes for g in draft_groups
+                            if isinstance(g.spec, AttentionSpec))
+    num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget, draft_block_bytes)
     return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots)
 
 
-def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig) -> int:
+def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig, max_query_len: int = 1) -> int:
     """The context length: the model's (or the one asked for), lowered until a single
-    request fits the KV cache, or it could never finish."""
+    request fits the KV cache (decoding max_query_len tokens a step), or it could never
+    finish."""
     text = getattr(hf_config, "text_config", hf_config)
     model_len = getattr(text, "max_position_embeddings", 4096)
     wanted = args.max_model_len or model_len
@@ -162,7 +179,7 @@ def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig) -> 
         logger.warning("max_model_len %d exceeds the model's %d", wanted, model_len)
     usable = kv_config.num_blocks - 1
     fits = wanted
-    while fits > 1 and sum(g.spec.max_blocks_for(fits) for g in kv_config.groups) > usable:
+    while fits > 1 and sum(g.spec.max_blocks_for(fits, max_query_len) for g in kv_config.groups) > usable:
         fits = fits * 3 // 4
     if fits < wanted:
         logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from vlmserve.config import SchedulerConfig, SpeculativeConfig
-from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vlmserve.core.kv_cache_spec import AttentionSpec, FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.kernels.attention import build_attention_metadata, kv_cache_shapes
@@ -25,6 +25,28 @@ from vlmserve.worker.sampler import Penalties, SamplingBatch, logprobs_entry, sa
 from vlmserve.worker.staging import Staging
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerPlan:
+    """How one model's layers read the KV memory: attention layers in sets that share one
+    of the batch's block tables (and a sliding window), recurrent layers by state slot."""
+
+    name: str  # names the step's staged inputs of this model
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    attention: list[tuple[tuple[int, ...], int, int | None]]  # (layer ids, block table index, window)
+    recurrent_layers: list[int]
+
+
+@dataclass
+class Drafter:
+    """A draft model as the runner drives it (see vlmserve/spec_decode/draft_model.py)."""
+
+    model: torch.nn.Module
+    plan: LayerPlan
+    encoder_cache: dict[str, torch.Tensor]
+    num_tokens: int  # drafts proposed per request and step
+    scratch_slot_base: int  # recurrent layers: batch row r guesses in state slot base + r
 
 
 @dataclass
@@ -53,9 +75,11 @@ class ModelRunner:
         seed: int = 0,
         timer: PhaseTimer | None = None,
         speculative: SpeculativeConfig | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
-        self.proposer = NgramProposer(speculative) if speculative else None
+        # per-request proposers (prompt lookup); a draft model proposes for the whole batch
+        self.proposer = NgramProposer(speculative) if speculative and draft_model is None else None
         self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
         self.kv_cache_config = kv_cache_config
@@ -77,6 +101,13 @@ class ModelRunner:
         self.device_tables = [torch.from_numpy(t).to(self.device) for t in self.input_batch.block_tables]
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.encoder_runs = 0  # media items encoded, for tests and stats
+        self.plan = LayerPlan("target", self.kv_caches, [
+            (g.layer_ids, a, g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None)
+            for a, g in enumerate(self.attention_groups)], self.recurrent_layers)
+        self.drafter = None
+        if draft_model is not None:
+            self.drafter = self._make_drafter(draft_model, speculative.num_speculative_tokens,
+                                              scheduler_config.max_num_seqs)
 
     # -- memory ---------------------------------------------------------------------------
     def _allocate_kv_caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -110,8 +141,31 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
+    def _make_drafter(self, model: torch.nn.Module, num_tokens: int, max_num_seqs: int) -> Drafter:
+        """The draft model's own KV tensors, on the block ids of the target's first
+        full-attention group, and its recurrent states on the target's state slots plus a
+        scratch slot per batch row."""
+        full = [a for a, g in enumerate(self.attention_groups) if type(g.spec) is FullAttentionSpec]
+        scratch_base = self.kv_cache_config.num_state_slots
+        caches, attention, recurrent = {}, {}, []
+        for layer, spec in model.kv_cache_specs(self.block_size, next(model.parameters()).dtype).items():
+            if isinstance(spec, MambaSpec):
+                n = scratch_base + max_num_seqs
+                caches[layer] = (torch.zeros(n, *spec.conv_shape, dtype=spec.dtype, device=self.device),
+                                 torch.zeros(n, *spec.ssm_shape, dtype=torch.float32, device=self.device))
+                recurrent.append(layer)
+                continue
+            shapes = kv_cache_shapes(self.kv_cache_config.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+            caches[layer] = tuple(torch.zeros(shape, dtype=spec.dtype, device=self.device) for shape in shapes)
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            attention.setdefault(window, []).append(layer)
+        plan = LayerPlan("draft", caches, [(tuple(ids), full[0], w) for w, ids in attention.items()], recurrent)
+        return Drafter(model, plan, {}, num_tokens, scratch_base)
+
     def clear_encoder_cache(self) -> None:
         self.encoder_cache.clear()
+        if self.drafter:
+            self.drafter.encoder_cache.clear()
 
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -125,24 +179,36 @@ class ModelRunner:
             self._run_encoder(so)
         with timer.phase("runner: inputs"):
             step = self._prepare_inputs(so)
-            embeds = self.model.embed_input_ids(step.input_ids)
-            ctx = self._forward_context(step)
-            mm = self._step_multimodal_embeddings(step)
-            if mm is not None:
-                ctx.deepstack = self.model.merge_multimodal(embeds, *mm)
+            self._sync_block_tables()
+            embeds, ctx = self._model_inputs(self.model, self.plan, step, self.encoder_cache)
         with timer.phase("runner: forward"):
-            self._copy_states(so.state_restores)
+            self._copy_states(so.state_restores, self.plan)
             hidden = self.model.forward(embeds, step.positions, ctx)
-            self._copy_states(so.state_saves)
+            self._copy_states(so.state_saves, self.plan)
         with timer.phase("runner: sample"):
-            return self._sample(step, hidden, grammar)
+            output = self._sample(step, hidden, grammar)
+        if self.drafter:
+            with timer.phase("runner: draft model"):
+                self._run_drafter(so, step, output)
+        return output
 
-    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Recurrent-state slot copies the scheduler asked for (prefix-cache restores
-        before the forward, snapshots after it), in every recurrent layer."""
+    def _model_inputs(self, model: torch.nn.Module, plan: LayerPlan, step: StepInputs,
+                      encoder_cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ForwardContext]:
+        """The input embeddings (pictures merged in) and the forward context of a step."""
+        embeds = model.embed_input_ids(step.input_ids)
+        ctx = self._forward_context(step, plan)
+        mm = self._step_multimodal_embeddings(step, encoder_cache)
+        if mm is not None:
+            ctx.deepstack = model.merge_multimodal(embeds, *mm)
+        return embeds, ctx
+
+    def _copy_states(self, copies: list[tuple[int, int]], plan: LayerPlan) -> None:
+        """Recurrent-state slot copies in the plan's recurrent layers: the scheduler's
+        prefix-cache restores before a model's forward and snapshots after it, and the
+        restores of refused drafts."""
         for src, dst in copies:
-            for layer in self.recurrent_layers:
-                for tensor in self.kv_caches[layer]:
+            for layer in plan.recurrent_layers:
+                for tensor in plan.kv_caches[layer]:
                     tensor[dst] = tensor[src]
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -151,6 +217,8 @@ class ModelRunner:
             batch.remove(rid)
         for mm_hash in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
+            if self.drafter:
+                self.drafter.encoder_cache.pop(mm_hash, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -188,13 +256,16 @@ class ModelRunner:
         if not todo:
             return
         features = list(todo.values())
-        outputs = self.model.embed_multimodal(features)
-        for feature, out in zip(features, outputs):
-            if out.shape[0] != feature.length:
-                raise RuntimeError(
-                    f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"
-                )
-            self.encoder_cache[feature.mm_hash] = out
+        encoders = [(self.model, self.encoder_cache)]
+        if self.drafter:  # the draft model reads the same pictures with its own encoder
+            encoders.append((self.drafter.model, self.drafter.encoder_cache))
+        for model, cache in encoders:
+            for feature, out in zip(features, model.embed_multimodal(features)):
+                if out.shape[0] != feature.length:
+                    raise RuntimeError(
+                        f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"
+                    )
+                cache[feature.mm_hash] = out
         self.encoder_runs += len(features)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -251,7 +322,8 @@ class ModelRunner:
             parts.append(gen.expand(3, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
-    def _step_multimodal_embeddings(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _step_multimodal_embeddings(self, step: StepInputs,
+                                    encoder_cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where this step's placeholder tokens are among its tokens, and their rows of
         the encoder outputs (exactly the tokens computed this step); None without any."""
         dest, src = [], []
@@ -261,7 +333,7 @@ class ModelRunner:
                 lo, hi = max(c, f.offset), min(c + q, f.end)
                 if lo >= hi:
                     continue
-                out = self.encoder_cache.get(f.mm_hash)
+                out = encoder_cache.get(f.mm_hash)
                 if out is None:
                     raise RuntimeError(f"encoder output for {f.mm_hash} is not in the encoder cache")
                 src.append(out[lo - f.offset : hi - f.offset])
@@ -271,27 +343,28 @@ class ModelRunner:
             return None
         return torch.cat(dest).to(self.device), torch.cat(src).to(self.device)
 
-    def _forward_context(self, step: StepInputs) -> ForwardContext:
+    def _forward_context(self, step: StepInputs, plan: LayerPlan, state_slots: list[int] | None = None,
+                         name: str | None = None) -> ForwardContext:
+        """The metadata of the plan's layers for a step; state_slots: the recurrent layers'
+        slots if not the requests' own. `name` names the staged inputs (default: the plan's)."""
         batch = self.input_batch
+        name = name or plan.name
         attn, recurrent = {}, {}
         rows = np.asarray(step.rows, dtype=np.int64)
-        if self.recurrent_layers:
-            slots = [batch.states[r].state_slot for r in step.rows]
-            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, self.staging.upload,
-                                            step.checkpoints)
-            recurrent = {layer: meta for layer in self.recurrent_layers}
-        self._sync_block_tables()
-        rows_t = self.staging.upload("rows", rows)
+        if plan.recurrent_layers:
+            slots = state_slots or [batch.states[r].state_slot for r in step.rows]
+            upload = lambda key, array: self.staging.upload(f"{name}.{key}", array)
+            meta = build_recurrent_metadata(slots, step.num_computed, step.query_lens, upload, step.checkpoints)
+            recurrent = {layer: meta for layer in plan.recurrent_layers}
+        rows_t = self.staging.upload(f"{name}.rows", rows)
         key_ends = self._key_ends(step)
-        for a, group in enumerate(self.attention_groups):
-            spec = group.spec
-            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        for j, (layers, a, window) in enumerate(plan.attention):
             width = int(batch.num_blocks[a][rows].max())
-            upload = lambda name, array, a=a: self.staging.upload(f"attn{a}.{name}", array)
+            upload = lambda key, array, j=j: self.staging.upload(f"{name}.attn{j}.{key}", array)
             meta = build_attention_metadata(self.device_tables[a][rows_t, :width], step.num_computed,
                                             step.query_lens, self.block_size, window, upload, key_ends)
-            attn.update({layer: meta for layer in group.layer_ids})
-        return ForwardContext(kv_caches=self.kv_caches, attn_metadata=attn, layer_state=recurrent)
+            attn.update({layer: meta for layer in layers})
+        return ForwardContext(kv_caches=plan.kv_caches, attn_metadata=attn, layer_state=recurrent)
 
     def _key_ends(self, step: StepInputs) -> np.ndarray | None:
         """The last key each query token sees, where the step holds media whose tokens
@@ -375,16 +448,14 @@ class ModelRunner:
         if verify_idx:
             self._verify_drafts(step, logits[len(sample_idx) :], verify_idx, sampled, logprobs)
         draft_token_ids = {}
-        proposer = self.proposer if step.propose_drafts else None
         for i, (row, c, tokens) in enumerate(zip(step.rows, step.num_computed, sampled)):
             state = batch.states[row]
-            # computed: the step's tokens, less the refused drafts
-            state.num_computed_tokens = c + step.query_lens[i] - (step.num_drafts[i] + 1 - len(tokens) if tokens else 0)
+            state.num_computed_tokens = c + self._kept_tokens(step, i, tokens)
             for token in tokens:
                 batch.append_token(row, token)
             state.num_output_tokens += len(tokens)
-            if tokens and proposer and can_verify(state.sampling_params, state.num_output_tokens):
-                draft_token_ids[step.req_ids[i]] = proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
+            if self.proposer and self._proposes(step, state, tokens):
+                draft_token_ids[step.req_ids[i]] = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
@@ -393,6 +464,77 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=draft_token_ids,
         )
+
+    @staticmethod
+    def _kept_tokens(step: StepInputs, i: int, tokens: list[int]) -> int:
+        """Of the i-th request's query, the tokens now in the cache: less the refused drafts."""
+        return step.query_lens[i] - (step.num_drafts[i] + 1 - len(tokens) if tokens else 0)
+
+    @staticmethod
+    def _proposes(step: StepInputs, state: CachedRequestState, tokens: list[int]) -> bool:
+        """Whether a request that got `tokens` this step gets drafts for the next one."""
+        return bool(tokens) and step.propose_drafts and can_verify(state.sampling_params, state.num_output_tokens)
+
+    def _run_drafter(self, so: SchedulerOutput, step: StepInputs, output: ModelRunnerOutput) -> None:
+        """The draft model computes the tokens the target kept this step (so its cache
+        holds what the target's holds), then guesses k tokens greedily after each new
+        token of the requests that take drafts, one batched forward per guess."""
+        drafter, batch = self.drafter, self.input_batch
+        kept = [self._kept_tokens(step, i, tokens) for i, tokens in enumerate(output.sampled_token_ids)]
+        starts = np.cumsum([0] + step.query_lens[:-1])
+        order = sorted(range(len(kept)), key=lambda i: kept[i] != 1)  # one-token queries first
+        index = np.concatenate([np.arange(starts[i], starts[i] + kept[i]) for i in order])
+        index_t = torch.from_numpy(index).to(self.device)
+        catch_up = StepInputs(
+            req_ids=[step.req_ids[i] for i in order],
+            rows=[step.rows[i] for i in order],
+            num_computed=[step.num_computed[i] for i in order],
+            query_lens=[kept[i] for i in order],
+            num_drafts=[0] * len(order),
+            checkpoints=[[] for _ in order],
+            propose_drafts=False,
+            input_ids=step.input_ids[index_t],
+            positions=step.positions[:, index_t],
+        )
+        embeds, ctx = self._model_inputs(drafter.model, drafter.plan, catch_up, drafter.encoder_cache)
+        self._copy_states(so.state_restores, drafter.plan)
+        drafter.model.forward(embeds, catch_up.positions, ctx)
+        self._copy_states(so.state_saves, drafter.plan)
+
+        proposing = [i for i, tokens in enumerate(output.sampled_token_ids)
+                     if self._proposes(step, batch.states[step.rows[i]], tokens)]
+        if not proposing:
+            return
+        rows = [step.rows[i] for i in proposing]
+        rows_np = np.asarray(rows, dtype=np.int64)
+        first = batch.num_tokens[rows_np] - 1  # each request's new token, guessed from
+        deltas = np.asarray([batch.states[r].mrope_delta for r in rows], dtype=np.int64)
+        scratch = [drafter.scratch_slot_base + r for r in rows]
+        # the guesses move the recurrent state: they start from a copy of it
+        self._copy_states([(batch.states[r].state_slot, s) for r, s in zip(rows, scratch)], drafter.plan)
+        tokens = batch.token_ids[rows_np, first]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for j in range(drafter.num_tokens):
+            sel = np.flatnonzero(first + j < self.max_model_len)  # a guess needs a KV slot inside the context
+            if not sel.size:
+                break
+            pos = first[sel] + j
+            guess_step = StepInputs(
+                req_ids=[step.req_ids[proposing[s]] for s in sel], rows=[rows[s] for s in sel],
+                num_computed=pos.tolist(), query_lens=[1] * len(sel), num_drafts=[0] * len(sel),
+                checkpoints=[[] for _ in sel], propose_drafts=False,
+                input_ids=self.staging.upload(f"draft{j}.input_ids", tokens[sel]),
+                positions=self.staging.upload(f"draft{j}.positions", pos + deltas[sel]).expand(3, -1),
+            )
+            ctx = self._forward_context(guess_step, drafter.plan, [scratch[s] for s in sel], name=f"draft{j}")
+            embeds = drafter.model.embed_input_ids(guess_step.input_ids)
+            hidden = drafter.model.forward(embeds, guess_step.positions, ctx)
+            new = drafter.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            tokens[sel] = new
+            for s, token in zip(sel, new.tolist()):
+                drafts[s].append(token)
+        for s, i in enumerate(proposing):
+            output.draft_token_ids[step.req_ids[i]] = drafts[s]
 
     def _verify_drafts(self, step: StepInputs, logits: torch.Tensor, verify_idx: list[int],
                        sampled: list[list[int]], logprobs: dict[str, list[LogprobsEntry]]) -> None:
@@ -411,7 +553,7 @@ class ModelRunner:
                 logprobs[step.req_ids[i]] = entries
             if step.checkpoints[i] and len(tokens) <= step.num_drafts[i]:  # a draft was refused
                 restores.append((step.checkpoints[i][len(tokens) - 1], batch.states[row].state_slot))
-        self._copy_states(restores)
+        self._copy_states(restores, self.plan)
 
     def _sampling_batch(self, rows: list[int], vocab: int, grammar: GrammarBitmask | None) -> SamplingBatch:
         """The sampling settings of these batch rows, as tensors over the rows."""
