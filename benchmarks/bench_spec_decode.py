@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram prompt lookup) on the shipped model: output tok/s with and
-without it, one stream at a time and several at once, on three workloads:
+"""Speculative decoding (n-gram prompt lookup, and a draft model) on the shipped model:
+output tok/s with and without it, one stream at a time and several at once, on three
+workloads:
 
 - json: "Describe the image as JSON." — the answer repeats its own keys (copy-heavy);
 - repeat: a second turn asking for the same description as the first turn's answer,
@@ -7,7 +8,8 @@ without it, one stream at a time and several at once, on three workloads:
 - plain: the shapes questions mixed (short answers; little to copy).
 
 Engines alternate (off, each setting of --drafts, the last of them with
-disable_by_batch_size), medians of --repeats runs after a
+disable_by_batch_size, and with --draft-layers a draft model made of some of the shipped
+model's layers: no smaller trained checkpoint of it exists), medians of --repeats runs after a
 warm-up, caches emptied before each run, greedy decoding. Printed per run: tok/s, the
 ratio to off, the acceptance rate (kept over checked drafts) and the mean acceptance
 length (tokens per decoding step of a request with drafts). Every setting's tokens must
@@ -15,16 +17,23 @@ equal off's. The peer: transformers `generate` one stream at a time, with and wi
 own prompt lookup (`prompt_lookup_num_tokens`), when its model supports it.
 
     python benchmarks/bench_spec_decode.py [--requests 48] [--streams 1,8,32] [--repeats 5] [--drafts 2,4]
+        [--draft-layers 0,1,4,5 --draft-k 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+from safetensors.torch import load_file, save_file
 
 from common import cpu_flags
 from vlmserve import LLM, SamplingParams
@@ -52,6 +61,27 @@ def workloads(n: int, seed: int = 0) -> dict[str, list[dict]]:
         {"role": "user", "content": [{"type": "image", "image": picture}, {"type": "text", "text": "Describe the image."}]},
         {"role": "assistant", "content": shapes.caption(scene)}]) for scene, picture in zip(scenes, pictures)]
     return {"json": [ask(p, shapes.JSON_QUESTION) for p in pictures], "repeat": repeat, "plain": plain}
+
+
+def layer_cut(keep: list[int], folder: Path) -> str:
+    """A draft model made of some layers of the shipped model (its embeddings, vision
+    tower and tokenizer with them): the draft there is without training one."""
+    shutil.copytree(SHIPPED_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    text["layer_types"] = [text["layer_types"][i] for i in keep]
+    text["num_hidden_layers"] = len(keep)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    weights = {}
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if "language_model.layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            if layer not in keep:
+                continue
+            name = name.replace(f".layers.{layer}.", f".layers.{keep.index(layer)}.")
+        weights[name] = w
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
 
 
 def run(llm: LLM, chats: list, batch: int) -> dict:
@@ -112,6 +142,9 @@ def main() -> None:
     ap.add_argument("--drafts", default="2,4", help="num_speculative_tokens settings to compare with off")
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="also the last --drafts setting with this disable_by_batch_size (0: not)")
+    ap.add_argument("--draft-layers", default=None,
+                    help="also a draft model made of these layers of the shipped model, e.g. 0,1,4,5")
+    ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-transformers", action="store_true")
     args = ap.parse_args()
@@ -125,6 +158,11 @@ def main() -> None:
         name, config = list(ngram.items())[-1]
         settings[f"{name}, off above {args.disable_by_batch_size} running"] = {
             **config, "disable_by_batch_size": args.disable_by_batch_size}
+    if args.draft_layers:
+        keep = [int(i) for i in args.draft_layers.split(",")]
+        draft = layer_cut(keep, Path(tempfile.mkdtemp()) / "draft")
+        settings[f"draft model (layers {args.draft_layers}) k={args.draft_k}"] = {
+            "model": draft, "num_speculative_tokens": args.draft_k}
     engines = {name: LLM(speculative_config=config, max_num_seqs=max(map(int, args.streams.split(","))),
                          dtype="bfloat16")
                for name, config in settings.items()}

@@ -455,11 +455,13 @@ def test_draft_models_that_cannot_draft_are_refused(qwen25_path, qwen35_path, tm
 
 # ----------------------------------------------------------------------------- served
 @pytest.mark.slow
-def test_served_with_speculation_on_the_shipped_model():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_served_with_speculation_on_the_shipped_model(method):
     """`vlmserve serve --speculative-config ...` on the shipped (hybrid) model, the
-    official client: a question whose answer the prompt already holds (the first turn's)
-    is answered as without speculation, streamed and not, with logprobs for each token;
-    drafts were kept (/metrics). A bad setting stops the command with one line."""
+    official client, with n-gram drafts or a draft model (the shipped model drafting for
+    itself: every guess is right): a question whose answer the prompt already holds (the
+    first turn's) is answered as without speculation, streamed and not, with logprobs for
+    each token; drafts were kept (/metrics). A bad setting stops the command with one line."""
     import base64
     import re
     import subprocess
@@ -469,6 +471,7 @@ def test_served_with_speculation_on_the_shipped_model():
     import httpx
 
     from test_openai_server import KEY, Server
+    from vlmserve.engine.model_source import SHIPPED_MODEL
 
     sample = Path(__file__).resolve().parent.parent / "samples" / "shapes3.jpg"
     url = "data:image/jpeg;base64," + base64.b64encode(sample.read_bytes()).decode()
@@ -477,8 +480,9 @@ def test_served_with_speculation_on_the_shipped_model():
     plain = LLM(dtype="float32").chat([ask], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
     chat = [ask, {"role": "assistant", "content": plain}, ask]
     want = LLM(dtype="float32").chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
-    server = Server(None, "--api-key", KEY, "--dtype", "float32",
-                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+    settings = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
+                "draft_model": {"model": str(SHIPPED_MODEL), "num_speculative_tokens": 3}}[method]
+    server = Server(None, "--api-key", KEY, "--dtype", "float32", "--speculative-config", json.dumps(settings))
     try:
         client = server.client()
         answer = client.chat.completions.create(model="tiny", messages=chat, temperature=0, max_tokens=40,
@@ -492,7 +496,9 @@ def test_served_with_speculation_on_the_shipped_model():
         assert accepted > 0
     finally:
         server.stop()
+    bad_settings, why = {"ngram": ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+                         "draft_model": ({"model": "/no/such/draft"}, "--speculative-config model /no/such/draft: no such folder")}[method]
     bad = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--speculative-config",
-                          '{"num_speculative_tokens": 0}'], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "num_speculative_tokens must be a positive integer" in bad.stderr
+                          json.dumps(bad_settings)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and why in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr

@@ -41,8 +41,8 @@ def draft_checkpoint(config: SpeculativeConfig, target_path: str, download_dir: 
     family, same picture tokens. ConfigError saying what differs."""
     try:
         path = resolve_model_path(config.model, download_dir=download_dir)
-    except ConfigError as e:
-        raise ConfigError(f"--speculative-config model: {e}") from None
+    except ConfigError as e:  # "--model X: why" -> the draft's setting and why
+        raise ConfigError(f"--speculative-config model {config.model}: {str(e).split(': ', 1)[-1]}") from None
     draft, target = AutoConfig.from_pretrained(path), AutoConfig.from_pretrained(target_path)
     why = _incompatibility(draft, target)
     if why is None and AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(
