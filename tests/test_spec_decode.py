@@ -442,6 +442,25 @@ def test_draft_model_guesses_are_its_own_greedy_continuations(family, request, t
     assert llm.engine.stats().num_preemptions > 0
 
 
+def test_a_draft_model_takes_its_cache_from_the_same_budget(qwen35_path):
+    """kv_cache_memory_gb holds the target's blocks and states and the draft's (its KV
+    tensors on the same block ids, its states on the same slots plus a scratch slot per
+    request): what is really allocated stays within it, and the engine answers."""
+    budget_gb, seqs = 0.01, 4
+    llm = LLM(qwen35_path, kv_cache_memory_gb=budget_gb, max_num_seqs=seqs, speculative_config=draft_settings(qwen35_path))
+    runner = llm.engine.engine_core.runner
+    storages = {}
+    for caches in (runner.kv_caches, runner.drafter.plan.kv_caches):
+        for tensors in caches.values():
+            for t in tensors:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    budget = budget_gb * (1 << 30)
+    assert 0.9 * budget < sum(storages.values()) <= budget
+    out = llm.generate({"prompt_token_ids": list(range(10, 50))}, SamplingParams(temperature=0, max_tokens=20))[0]
+    assert len(out.outputs[0].token_ids) == 20 and acceptance(llm)[1] > 0
+    hybrid_free(llm)
+
+
 def test_draft_models_that_cannot_draft_are_refused(qwen25_path, qwen35_path, tmp_path):
     from vlmserve.testing.checkpoints import build_qwen2_5_vl
 
@@ -451,6 +470,8 @@ def test_draft_models_that_cannot_draft_are_refused(qwen25_path, qwen35_path, tm
             LLM(qwen25_path, speculative_config=draft_settings(draft))
     with pytest.raises(ConfigError, match="needs \"model\""):
         LLM(qwen25_path, speculative_config={"method": "draft_model"})
+    with pytest.raises(ConfigError, match="vocab"):  # from an engine core in a process of its own too
+        LLM(qwen25_path, engine_process=True, speculative_config=draft_settings(other_vocab))
 
 
 # ----------------------------------------------------------------------------- served

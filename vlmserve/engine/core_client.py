@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vlmserve.core.scheduler import EngineCoreOutput, SchedulerStats
-from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.args import ConfigError, EngineArgs
 from vlmserve.engine.engine_core import CoreInfo, EngineCore, build_engine_core
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request
@@ -86,6 +86,8 @@ class ProcessCore:
         kind, payload = self._receive()
         if kind == "error":
             self._process.join(timeout=10)
+            if isinstance(payload, ConfigError):
+                raise payload
             raise RuntimeError(f"the engine core could not start: {payload}")
         self.info: CoreInfo = payload
         self._stats = self._request("stats")
@@ -174,6 +176,9 @@ def run_core_process(args: EngineArgs, model_path: str, eos_token_id: int | None
     timer = PhaseTimer(args.time_steps)
     try:
         core, info = build_engine_core(args, model_path, eos_token_id, timer)
+    except ConfigError as e:  # the user's settings: the front end says it in one line
+        outputs.send(("error", e))
+        return
     except Exception as e:
         logger.exception("the engine core could not start")
         outputs.send(("error", f"{type(e).__name__}: {e}"))

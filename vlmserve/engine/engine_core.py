@@ -106,15 +106,17 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     start = time.perf_counter()
     keep_freed_memory()  # before the model's weights and the KV cache are allocated
     torch.manual_seed(args.seed)
+    speculative = args.speculative()
+    draft_path = None
+    if speculative and speculative.method == "draft_model":
+        draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
     model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights, args.use_triton)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
-    speculative = args.speculative()
     draft_model, draft_groups = None, []
     if speculative:
         logger.info("speculative decoding: %s", speculative)
-        if speculative.method == "draft_model":
-            draft_path = draft_checkpoint(speculative, model_path, args.download_dir)
+        if draft_path:
             draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, args.device, args.pack_weights,
                                                          args.use_triton, args.block_size)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
