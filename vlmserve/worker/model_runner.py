@@ -189,7 +189,8 @@ class ModelRunner:
             output = self._sample(step, hidden, grammar)
         if self.drafter:
             with timer.phase("runner: draft model"):
-                self._run_drafter(so, step, output)
+                self._draft_catch_up(so, step, output)
+                self._draft_guesses(step, output)
         return output
 
     def _model_inputs(self, model: torch.nn.Module, plan: LayerPlan, step: StepInputs,
@@ -475,11 +476,10 @@ class ModelRunner:
         """Whether a request that got `tokens` this step gets drafts for the next one."""
         return bool(tokens) and step.propose_drafts and can_verify(state.sampling_params, state.num_output_tokens)
 
-    def _run_drafter(self, so: SchedulerOutput, step: StepInputs, output: ModelRunnerOutput) -> None:
-        """The draft model computes the tokens the target kept this step (so its cache
-        holds what the target's holds), then guesses k tokens greedily after each new
-        token of the requests that take drafts, one batched forward per guess."""
-        drafter, batch = self.drafter, self.input_batch
+    def _draft_catch_up(self, so: SchedulerOutput, step: StepInputs, output: ModelRunnerOutput) -> None:
+        """The draft model computes the tokens the target kept this step, so its cache
+        holds what the target's holds (with the same prefix-cache restores and snapshots)."""
+        drafter = self.drafter
         kept = [self._kept_tokens(step, i, tokens) for i, tokens in enumerate(output.sampled_token_ids)]
         starts = np.cumsum([0] + step.query_lens[:-1])
         order = sorted(range(len(kept)), key=lambda i: kept[i] != 1)  # one-token queries first
@@ -501,6 +501,10 @@ class ModelRunner:
         drafter.model.forward(embeds, catch_up.positions, ctx)
         self._copy_states(so.state_saves, drafter.plan)
 
+    def _draft_guesses(self, step: StepInputs, output: ModelRunnerOutput) -> None:
+        """k greedy guesses of the draft model after each new token of the requests that
+        take drafts, one batched one-token forward per guess."""
+        drafter, batch = self.drafter, self.input_batch
         proposing = [i for i, tokens in enumerate(output.sampled_token_ids)
                      if self._proposes(step, batch.states[step.rows[i]], tokens)]
         if not proposing:
