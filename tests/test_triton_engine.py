@@ -69,6 +69,20 @@ def test_speculative_decoding_on_triton_kernels(triton_llm, qwen35_path, hf_qwen
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+def test_a_draft_model_on_triton_kernels(triton_llm, qwen35_path, hf_qwen35):
+    """A hybrid draft model (the target drafting for itself) on the Triton kernels: its
+    catch-up over a picture prompt, its guesses in scratch state slots; every guess kept,
+    transformers' tokens."""
+    from test_spec_decode import acceptance, draft_settings
+
+    text, images = CASES["one_image"]
+    llm = triton_llm(qwen35_path, speculative_config=draft_settings(qwen35_path))
+    out = llm.generate(request(hf_qwen35, text, images), greedy(max_tokens=10))[0]
+    check(out, hf_qwen35, text, images, 10)
+    drafted, accepted = acceptance(llm)
+    assert drafted > 0 and accepted == drafted
+
+
 @pytest.mark.parametrize("family", ["qwen3vl", "qwen3vlmoe"])
 def test_qwen3_vl_on_triton_kernels(triton_llm, family, request):
     """Qwen3 attention (q/k norms), DeepStack and the experts; chunked prefill through two

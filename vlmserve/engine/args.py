@@ -71,7 +71,8 @@ class EngineArgs:
     engine_process: bool = False
     time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
     # JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4,
-    # "prompt_lookup_min": 2, "prompt_lookup_max": 4}; empty: no speculative decoding
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model":
+    # "<folder or org/name>", "num_speculative_tokens": 3}; empty: no speculative decoding
     speculative_config: dict[str, Any] = field(default_factory=dict)
 
     def check_device(self) -> None:
