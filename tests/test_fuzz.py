@@ -5,6 +5,10 @@ another exception)."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -16,10 +20,16 @@ from vlmserve.multimodal.media import MediaError, MediaLimits, MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
 
 
-@pytest.fixture(scope="module")
-def fuzzed_server(qwen25_path):
+@pytest.fixture(scope="module", params=["plain", "ngram", "draft_model"])
+def fuzzed_server(qwen25_path, request):
+    """Also with speculative decoding on (n-gram drafts; a draft model): every sampling
+    option the schema allows goes through the drafting and verification paths."""
+    speculative = {"plain": [],
+                   "ngram": ["--speculative-config", json.dumps({"method": "ngram", "prompt_lookup_min": 1})],
+                   "draft_model": ["--speculative-config", json.dumps({"model": qwen25_path})]}[request.param]
     # short answers whatever the fuzzer asks for, so the examples stay quick
-    s = Server(qwen25_path, "--num-kv-blocks", "256", "--max-model-len", "256", "--max-n", "2")
+    s = Server(qwen25_path, "--num-kv-blocks", "256", "--max-model-len", "256", "--max-n", "2", *speculative)
+    s.speculative = bool(speculative)
     yield s
     s.stop()
 
@@ -37,6 +47,11 @@ def test_no_request_the_schema_allows_gets_a_server_error(fuzzed_server):
             assert response.status_code < 500, (case.as_curl_command(), response.status_code, response.text[:500])
 
         no_server_error()
+    metrics = httpx.get(fuzzed_server.base + "/metrics").text
+    assert re.search(r"^vlmserve:num_requests_running 0", metrics, re.M)  # nothing left behind
+    if fuzzed_server.speculative:  # the fuzzed requests went through drafting
+        checked = re.search(r"^vlmserve:spec_decode_num_draft_tokens_total (\S+)", metrics, re.M)
+        assert float(checked.group(1)) > 0
 
 
 # -- media ------------------------------------------------------------------------------------------
