@@ -169,3 +169,22 @@ def test_sliding_window_group_holds_a_window_of_blocks_while_decoding(qwen25_pat
     window_blocks = -(-32 // 16) + 1
     assert max(h[sliding] for h in held) <= window_blocks
     assert max(h[full] for h in held) > 4 * 32 // 16  # the sequence is over 4 windows long
+
+
+def test_a_prompt_that_fills_a_tiny_cache_goes_in_chunks_that_fit(qwen25_path):
+    """10 KV blocks: the context is cut to what one request can hold, and a prompt that
+    long cannot go in one chunk (a sliding-window chunk holds blocks for its whole span
+    besides its window); it goes in chunks that fit instead of waiting forever, and the
+    answer is the one a large cache gives."""
+    tiny = LLM(qwen25_path, num_kv_blocks=10)
+    prompt = {"prompt_token_ids": list(range(10, 10 + tiny.engine.max_model_len - 8))}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(qwen25_path, num_kv_blocks=256).generate(prompt, params)[0].outputs[0].token_ids
+    tiny.engine.add_request("long", prompt, params)
+    done = []
+    for _ in range(1000):  # bounded: a request that cannot be scheduled must fail this test, not hang it
+        done += [out for out in tiny.engine.step() if out.finished]
+        if done:
+            break
+    assert done and done[0].outputs[0].token_ids == want
+    assert_all_free(tiny)

@@ -19,6 +19,9 @@ class SchedulerConfig:
     max_running_for_drafts: int | None = None
     # KV slots allocated past a request's step for a draft model to write its guesses into
     num_lookahead_tokens: int = 0
+    # prompt tokens one request computes in a step at most (None: the token budget); a
+    # small cache with sliding-window layers must hold a lone request's whole chunk
+    max_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

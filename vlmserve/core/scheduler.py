@@ -349,7 +349,8 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_new > token_budget:
             return 0
         # the last position fed to the model must stay inside the context
-        num_new = max(min(num_new, token_budget, self.config.max_model_len - num_computed), 0)
+        chunk = self.config.max_chunk_tokens or num_new
+        num_new = max(min(num_new, token_budget, chunk, self.config.max_model_len - num_computed), 0)
         end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
         for f in request.mm_features:
             if f.bidirectional and f.offset < end < f.end:

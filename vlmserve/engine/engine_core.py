@@ -31,6 +31,7 @@ class CoreInfo:
     """What the front end learns from a built engine core."""
 
     max_model_len: int
+    max_chunk_tokens: int  # prompt tokens one request computes in a step at most
     num_kv_blocks: int
     num_kv_cache_groups: int
     dtype: str
@@ -124,6 +125,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     # a decode step with drafts computes 1 + k tokens; a draft model writes k more after them
     max_query_len = 1 + num_drafts + (num_drafts if draft_model is not None else 0)
     max_model_len = fit_max_model_len(args, hf_config, kv_config, max_query_len)
+    lookahead = num_drafts if draft_model is not None else 0
+    max_chunk_tokens = fit_chunk(args.max_num_batched_tokens, kv_config, max_model_len, lookahead)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -132,7 +135,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         encoder_compute_budget=args.encoder_compute_budget,
         encoder_cache_size=args.encoder_cache_size,
         max_running_for_drafts=speculative.disable_by_batch_size if speculative else None,
-        num_lookahead_tokens=num_drafts if draft_model is not None else 0,
+        num_lookahead_tokens=lookahead,
+        max_chunk_tokens=max_chunk_tokens,
     )
     timer = timer or PhaseTimer(args.time_steps)
     runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative,
@@ -140,7 +144,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
-    info = CoreInfo(max_model_len, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
+    info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start)
     return EngineCore(scheduler, runner, structured, timer), info
 
@@ -186,3 +190,16 @@ def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig, max
     if fits < wanted:
         logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)
     return fits
+
+
+def fit_chunk(max_num_batched_tokens: int, kv_config: KVCacheConfig, max_model_len: int, lookahead: int) -> int:
+    """The most prompt tokens one request computes in a step: a chunk holds sliding-window
+    blocks for its whole span and the window before it, and a lone request's chunk must
+    fit the empty cache, or it would wait forever. The token budget where blocks allow."""
+    usable = kv_config.num_blocks - 1
+    chunk = max_num_batched_tokens
+    while chunk > 1 and sum(g.spec.max_blocks_for(max_model_len, chunk + lookahead) for g in kv_config.groups) > usable:
+        chunk = chunk * 3 // 4
+    if chunk < max_num_batched_tokens:
+        logger.info("prompt chunks of at most %d tokens per request fit the KV cache", chunk)
+    return chunk

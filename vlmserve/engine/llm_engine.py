@@ -81,7 +81,7 @@ class LLMEngine:
         model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
         max_media_tokens = min(args.encoder_compute_budget, args.encoder_cache_size)
         if getattr(model_cls, "bidirectional_media", False):  # a picture's tokens go in one step
-            max_media_tokens = min(max_media_tokens, args.max_num_batched_tokens)
+            max_media_tokens = min(max_media_tokens, info.max_chunk_tokens)
         self.input_processor = InputProcessor(
             tokenizer=self.tokenizer,
             mm_processor=self.mm_processor,
