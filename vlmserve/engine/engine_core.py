@@ -121,11 +121,10 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
             draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, args.device, args.pack_weights,
                                                          args.use_triton, args.block_size)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
+    lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
     kv_config = kv_cache_config(args, groups, num_drafts, draft_groups)
-    # a decode step with drafts computes 1 + k tokens; a draft model writes k more after them
-    max_query_len = 1 + num_drafts + (num_drafts if draft_model is not None else 0)
-    max_model_len = fit_max_model_len(args, hf_config, kv_config, max_query_len)
-    lookahead = num_drafts if draft_model is not None else 0
+    # a decode step with drafts computes 1 + k tokens, and a draft model writes past them
+    max_model_len = fit_max_model_len(args, hf_config, kv_config, 1 + num_drafts + lookahead)
     max_chunk_tokens = fit_chunk(args.max_num_batched_tokens, kv_config, max_model_len, lookahead)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -174,6 +173,12 @@ def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=
     return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots)
 
 
+def fits_alone(kv_config: KVCacheConfig, num_tokens: int, query_len: int) -> bool:
+    """Whether one request of num_tokens, computing query_len tokens a step, fits the
+    empty cache (one block is the null block)."""
+    return sum(g.spec.max_blocks_for(num_tokens, query_len) for g in kv_config.groups) <= kv_config.num_blocks - 1
+
+
 def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig, max_query_len: int = 1) -> int:
     """The context length: the model's (or the one asked for), lowered until a single
     request fits the KV cache (decoding max_query_len tokens a step), or it could never
@@ -183,9 +188,8 @@ def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig, max
     wanted = args.max_model_len or model_len
     if wanted > model_len:
         logger.warning("max_model_len %d exceeds the model's %d", wanted, model_len)
-    usable = kv_config.num_blocks - 1
     fits = wanted
-    while fits > 1 and sum(g.spec.max_blocks_for(fits, max_query_len) for g in kv_config.groups) > usable:
+    while fits > 1 and not fits_alone(kv_config, fits, max_query_len):
         fits = fits * 3 // 4
     if fits < wanted:
         logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)
@@ -196,9 +200,8 @@ def fit_chunk(max_num_batched_tokens: int, kv_config: KVCacheConfig, max_model_l
     """The most prompt tokens one request computes in a step: a chunk holds sliding-window
     blocks for its whole span and the window before it, and a lone request's chunk must
     fit the empty cache, or it would wait forever. The token budget where blocks allow."""
-    usable = kv_config.num_blocks - 1
     chunk = max_num_batched_tokens
-    while chunk > 1 and sum(g.spec.max_blocks_for(max_model_len, chunk + lookahead) for g in kv_config.groups) > usable:
+    while chunk > 1 and not fits_alone(kv_config, max_model_len, chunk + lookahead):
         chunk = chunk * 3 // 4
     if chunk < max_num_batched_tokens:
         logger.info("prompt chunks of at most %d tokens per request fit the KV cache", chunk)
