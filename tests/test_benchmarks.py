@@ -31,7 +31,8 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_peers.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4", "--engines", "vlmserve,transformers"],
                        r"vlmserve / transformers: [0-9.]+x"),
     "bench_serving.py": (["--requests", "8", "--clients", "4", "--repeats", "1", "--servers", "vlmserve"],
-                         r"vlmserve at 4 clients: [0-9.]+ tok/s"),
+                         (r"serving / offline: 4 cold [0-9.]+x\n"
+                          r"ceiling [^\n]*: 4 cold [0-9]+ tok/s\nvlmserve at 4 clients: [0-9.]+ tok/s")),
     "bench_spec_decode.py": (["--requests", "2", "--streams", "1,2", "--repeats", "1", "--drafts", "2",
                               "--disable-by-batch-size", "1", "--draft-layers", "0,1"],
                              r"\| plain \| 2 \| draft model \(layers 0,1\) k=3 \|"),
