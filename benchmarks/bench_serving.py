@@ -3,7 +3,7 @@ under the same load of concurrent streaming clients, in one run on one machine.
 
     python benchmarks/bench_serving.py [--family qwen2_5_vl|qwen3_5] [--dtype bfloat16|float32]
         [--requests 256] [--clients 64,256] [--repeats 2] [--servers vlmserve,replicas,replicas-default,vllm]
-        [--vllm-python PATH] [--vllm-mode compiled|eager] [--max-num-seqs 256] [--threads 2]
+        [--vllm-python PATH] [--vllm-mode compiled|eager] [--max-num-seqs 256] [--threads 2] [--no-offline]
 
 The workload is bench_peers.py's (`common.peer_workload`): the same chat requests (the
 shared system prompt, then 0-2 pictures as PNG data URLs and a question, as chat messages),
@@ -243,22 +243,24 @@ def start_offline(args: argparse.Namespace, model: str, folder: Path) -> Offline
     command = [sys.executable, str(WORKERS / "vlmserve_worker.py"), "--workload", str(folder / "workload.json"),
                "--model", model, "--dtype", args.dtype, "--threads", str(args.threads)]
     worker = Worker("offline", command, {**os.environ, "OMP_NUM_THREADS": str(args.threads)}, folder / "offline.log")
-    try:
-        worker.receive()  # ready
-        log("offline: warm-up")
-        worker.run()
-    except WorkerDied:
-        raise SystemExit(f"the offline worker died; its log ends with:\n{worker.stderr_tail()}") from None
+    offline_call(worker, worker.receive)  # ready
+    log("offline: warm-up")
+    offline_call(worker, worker.run)
     return OfflineReference(worker)
 
 
 def run_offline(offline: OfflineReference) -> None:
-    try:
-        offline.runs.append(offline.worker.run())
-    except WorkerDied:
-        raise SystemExit(f"the offline worker died; its log ends with:\n{offline.worker.stderr_tail()}") from None
-    run = offline.runs[-1]
+    run = offline_call(offline.worker, offline.worker.run)
+    offline.runs.append(run)
     log(f"offline: {run['tokens'] / run['seconds']:.1f} tok/s in {run['seconds']:.1f}s")
+
+
+def offline_call(worker: Worker, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A message from the offline worker; if it died, its log's end and exit."""
+    try:
+        return call()
+    except WorkerDied:
+        raise SystemExit(f"the offline worker died; its log ends with:\n{worker.stderr_tail()}") from None
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
