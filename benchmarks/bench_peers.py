@@ -25,6 +25,10 @@ first token (from the workload's start, median and p90 over requests), each run'
 seconds, start seconds (construction, imports excluded), user and system CPU seconds of
 the worker and its child processes, prompt tokens served by the prefix cache, vlmserve's
 throughput ratio; then how often the first greedy tokens agree with vlmserve's.
+
+Every run starts once all workers are idle: after each run vLLM's CPU build keeps a core
+busy for about a second (its threads spin), which would otherwise be taken from the engine
+that runs next.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,9 @@ from common import (  # noqa: E402
     peer_workload,
     render_prompt,
 )
+
+sys.path.insert(0, str(Path(__file__).parent / "peer_workers"))
+from procstat import cpu_times  # noqa: E402
 
 WORKERS = Path(__file__).parent / "peer_workers"
 ENGINES = ("vlmserve", "transformers", "vllm")
@@ -235,10 +243,23 @@ def start(engines: list[Engine], folder: Path) -> None:
         log(f"{engine.name} ready in {engine.start_seconds:.1f}s")
 
 
+def wait_idle(engines: list[Engine], window: float = 0.25, deadline: float = 10.0) -> None:
+    """Until the workers' process trees together use under a tenth of a core over a window
+    (or the deadline passes)."""
+    end = time.monotonic() + deadline
+    pids = [e.worker.proc.pid for e in engines if e.worker is not None]
+    while time.monotonic() < end:
+        before = sum(sum(cpu_times(pid)) for pid in pids)
+        time.sleep(window)
+        if sum(sum(cpu_times(pid)) for pid in pids) - before < 0.1 * window:
+            return
+
+
 def calibrate(engine: Engine, batches: list[int]) -> dict[int, float]:
     """transformers' tok/s per batch size, one run each; its best batch size is kept."""
     speeds = {}
     for batch in batches:
+        wait_idle([engine])
         result = engine.worker.run(batch=batch)
         speeds[batch] = result["tokens"] / result["seconds"]
         log(f"transformers, batch {batch}: {speeds[batch]:.1f} tok/s")
@@ -335,12 +356,14 @@ def main() -> None:
             start(engines, folder)
             for e in engines:  # warm-up, not counted
                 log(f"warm-up: {e.name}")
+                wait_idle(engines)
                 e.worker.run(**e.run_args)
             speeds = {}
             if "transformers" in args.engines and len(args.hf_batch) > 1:
                 speeds = calibrate(next(e for e in engines if e.name == "transformers"), args.hf_batch)
             for r in range(args.repeats):
                 for e in engines:
+                    wait_idle(engines)
                     e.runs.append(e.worker.run(**e.run_args))
                     log(f"run {r + 1}/{args.repeats} {e.name}: {e.runs[-1]['seconds']:.2f}s")
         except WorkerDied as died:
