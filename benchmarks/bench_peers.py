@@ -259,7 +259,6 @@ def calibrate(engine: Engine, batches: list[int]) -> dict[int, float]:
     """transformers' tok/s per batch size, one run each; its best batch size is kept."""
     speeds = {}
     for batch in batches:
-        wait_idle([engine])
         result = engine.worker.run(batch=batch)
         speeds[batch] = result["tokens"] / result["seconds"]
         log(f"transformers, batch {batch}: {speeds[batch]:.1f} tok/s")
@@ -360,6 +359,7 @@ def main() -> None:
                 e.worker.run(**e.run_args)
             speeds = {}
             if "transformers" in args.engines and len(args.hf_batch) > 1:
+                wait_idle(engines)  # after the last warm-up (vLLM's, which spins on)
                 speeds = calibrate(next(e for e in engines if e.name == "transformers"), args.hf_batch)
             for r in range(args.repeats):
                 for e in engines:
