@@ -174,7 +174,7 @@ def test_errors_have_the_right_status_and_the_next_request_works(server):
         (client, dict(ok, temperature=-1), openai.BadRequestError, 400, "temperature"),
         (client, dict(ok, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}), openai.BadRequestError, 400,
-         'JSON schema is not valid: Unsupported type "nosuchtype"'),
+         "'type' must be one of"),
         (client, dict(ok, messages=image_chat(data_url(make_image(900, 900, 1)) * 1)), openai.APIStatusError, 413,
          "limit"),
     ]
@@ -558,3 +558,23 @@ def test_sampling_parameters_over_the_api(server):
         client.completions.create(**base, presence_penalty=3.0)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(**base, logit_bias={"999999": 1})
+
+
+def test_a_forced_call_whose_argument_holds_the_closing_tag_is_still_a_call(server):
+    """The call's block is read by its structure, so `</tool_call>` inside a string
+    argument does not end it; streamed the same."""
+    echo = {"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"const": "</tool_call> done"}}, "required": ["text"]}}}
+    client = server.client()
+    messages = [{"role": "user", "content": "Echo it."}]
+    done = client.chat.completions.create(model="tiny", messages=messages, tools=[echo], tool_choice="required",
+                                          max_tokens=100)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"text": "</tool_call> done"}
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=[echo], tool_choice="required",
+                                            max_tokens=100, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert "".join(d.delta.content or "" for d in deltas) == "" and deltas[-1].finish_reason == "tool_calls"
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"text": "</tool_call> done"}

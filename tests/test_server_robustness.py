@@ -53,6 +53,21 @@ POISON = [
     ("a JSON list", "chat", b'[{"messages": []}]', None, "JSON object"),
     # refused from its length in characters, before it is tokenized
     ("a 10 MB prompt", "completions", {"model": "tiny", "prompt": "word " * 2_000_000}, None, "characters"),
+    # structured output: over a limit, enforced nowhere, matching nothing, not an object
+    ("a schema of 10,000 properties", "chat",
+     {**CHAT, "structured_outputs": {"json": {"type": "object", "properties": {
+         f"p{i}": {"type": "integer"} for i in range(10_000)}}}}, "structured_outputs", "--max-grammar-bytes"),
+    ("a schema nested 350 deep", "chat", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": json.loads('{"type":"object","properties":{"a":' * 350 + "{}" + "}}" * 350)}}},
+     "structured_outputs", "--max-schema-depth"),
+    ("a $ref cycle", "chat", {**CHAT, "guided_json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+     "structured_outputs", "refers back to itself"),
+    ("'not'", "completions", {"model": "tiny", "prompt": "x", "guided_json": {"not": {"type": "string"}}},
+     "structured_outputs", "'not' is not supported"),
+    ("a regex that matches nothing", "chat", {**CHAT, "structured_outputs": {"regex": "[^\\x00-\\U0010ffff]"}},
+     "structured_outputs", "matches no text"),
+    ("tool parameters that are not an object", "chat", {**CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools", "type object"),
 ]
 
 
@@ -280,3 +295,60 @@ def test_hang_ups_are_one_info_line_not_a_traceback(qwen25_path):
     log = "".join(s.log)
     assert "client hung up on /v1/completions" in log and "left while sending its request" in log
     assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def test_a_grammar_that_compiles_forever_stalls_nobody_and_is_abandoned(qwen25_path):
+    """A schema of 10,000 optional properties (limits raised so that it gets through) never
+    finishes compiling: it is refused at the deadline with a 400, and meanwhile plain
+    streams and other structured requests are answered in full; a second such request
+    whose client leaves is counted nowhere; SIGTERM then ends the server within its drain
+    time, compile workers and all."""
+    s = Server(qwen25_path, "--num-kv-blocks", "512", "--grammar-compile-timeout", "5", "--max-schema-properties",
+               "100000", "--max-grammar-bytes", "10000000", "--drain-timeout", "5")
+    endless = {**CHAT, "structured_outputs": {"json": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(10_000)}}}}
+    try:
+        refused: list[httpx.Response] = []
+        compiling = threading.Thread(target=lambda: refused.append(post(s, "chat", endless)))
+        compiling.start()
+        time.sleep(0.5)  # on its way to a compile worker
+        client = s.client()
+        answers = []
+        for i in range(3):  # while it compiles: plain, streamed, and constrained by another grammar
+            answers.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"{i}"}],
+                                                          max_tokens=8, extra_body={"ignore_eos": True}))
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "s"}],
+                                                    max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+            assert sum(1 for c in stream if c.choices and c.choices[0].delta.content is not None) >= 1
+            choice = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "?"}],
+                                                    temperature=1.0, extra_body={"guided_choice": [f"y{i}", "n"]})
+            assert choice.choices[0].message.content in (f"y{i}", "n")
+        assert not refused, "the endless grammar answered before the bystanders"
+        assert all(a.usage.completion_tokens == 8 for a in answers)
+        compiling.join(timeout=120)
+        r = refused[0]
+        assert r.status_code == 400 and "did not compile within 5 s" in r.json()["error"]["message"], r.text
+        # a client that leaves while its grammar compiles: gone from everything
+        body = json.dumps({**endless, "structured_outputs": {"json": {"type": "object", "properties": {
+            f"q{i}": {"type": "integer"} for i in range(10_000)}}}}).encode()
+        conn = socket.create_connection(("127.0.0.1", s.port))
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(1.0)
+        conn.close()
+        deadline = time.time() + 30
+        while not any("client hung up" in line for line in s.log):
+            assert time.time() < deadline, "".join(s.log)
+            time.sleep(0.1)
+        assert s.metric("num_requests_waiting") == 0 and s.metric("num_requests_running") == 0
+        assert post(s, "chat", CHAT).status_code == 200
+        # SIGTERM while a compile runs
+        again = threading.Thread(target=lambda: post(s, "chat", endless), daemon=True)
+        again.start()
+        time.sleep(1.0)
+        start = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.time() - start < 30  # the drain time (5 s), not the compile's
+    finally:
+        s.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -15,11 +14,8 @@ import torch
 
 from conftest import make_image
 from vlmserve import LLM, SamplingParams
-from test_scheduler import make_scheduler
 from vlmserve.entrypoints.openai import tool_calls
-from vlmserve.request import Request, RequestStatus
 from vlmserve.sampling_params import ParamError, StructuredOutputsParams
-from vlmserve.structured_output.manager import RequestGrammar
 from vlmserve.kernels import sampling
 from vlmserve.worker.sampler import Penalties, SamplingBatch, apply_logit_rules, token_histories
 
@@ -172,7 +168,9 @@ def test_hybrid_model_answers_validate(qwen35_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    (dict(json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}), "JSON schema is not valid"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}), "'type' must be one of"),
+    (dict(json={"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 1}}}),
+     "JSON schema is not valid: minLength 3 is greater than maxLength 1"),
     (dict(regex="[a-"), "regex is not valid"),
     (dict(grammar="root ::= missing_rule"), "grammar is not valid"),
 ])
@@ -187,30 +185,6 @@ def test_exactly_one_constraint():
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ParamError, match="exactly one"):
         StructuredOutputsParams()
-
-
-# -- the scheduler holds a request back while its grammar compiles ----------------------------
-def test_a_request_waits_for_its_grammar_while_others_run():
-    scheduler = make_scheduler()
-    compiling: Future = Future()
-    waiting = Request("g", [1, 2, 3], SamplingParams(), eos_token_id=0)
-    waiting.grammar = RequestGrammar(compiling, waiting.output_token_ids, [0])
-    scheduler.add_request(waiting)
-    scheduler.add_request(Request("free", [4, 5, 6], SamplingParams(), eos_token_id=0))
-    assert waiting.status == RequestStatus.WAITING_FOR_FSM
-    assert scheduler.admit_compiled() == []
-    out = scheduler.schedule()
-    assert set(out.num_scheduled_tokens) == {"free"}
-    compiling.set_exception(ValueError("boom"))
-    failed = scheduler.admit_compiled()
-    assert failed and failed[0][0] == "g" and "boom" in failed[0][1]
-    assert "g" not in scheduler.requests and not scheduler.has_grammars_compiling()
-    ready: Future = Future()
-    again = Request("g2", [1, 2, 3], SamplingParams(), eos_token_id=0)
-    again.grammar = RequestGrammar(ready, again.output_token_ids, [0])
-    scheduler.add_request(again)
-    scheduler.finish_requests("g2", RequestStatus.FINISHED_ABORTED)  # aborted while compiling
-    assert not scheduler.has_grammars_compiling() and "g2" not in scheduler.requests
 
 
 # -- the sampling parameters against a straightforward computation -------------------------------
@@ -333,14 +307,18 @@ def test_a_matcher_that_cannot_follow_its_answer_fails_that_request_alone(qwen25
     replays) is that request's error; the other constrained requests still get masks."""
     from transformers import AutoTokenizer
 
-    from vlmserve.structured_output.manager import StructuredOutputManager
+    from vlmserve.structured_output.compiler import GrammarCompiler
+    from vlmserve.structured_output.manager import StructuredOutputManager, tokenizer_info_of
 
     tok = AutoTokenizer.from_pretrained(qwen25_path)
+    compiler = GrammarCompiler(lambda: tokenizer_info_of(tok, len(tok)), num_workers=1)
+    try:
+        compiled = compiler.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
+    finally:
+        compiler.shutdown()
     manager = StructuredOutputManager(qwen25_path, len(tok), max_num_seqs=4)
-    spec = StructuredOutputsParams(choice=["yes", "no"])
-    good = manager.grammar_for(spec, [], [tok.eos_token_id])
-    bad = manager.grammar_for(spec, tok.encode("zzz", add_special_tokens=False), [tok.eos_token_id])
-    assert good._compiled.result() is not None  # compiled in the pool
-    mask, broken = manager.bitmask([("bad", bad), ("good", good)])
-    assert list(broken) == ["bad"] and "could not follow" in broken["bad"]
-    assert mask.req_ids == ["good"] and mask.bitmask.shape[0] == 1
+    good = manager.request_grammar(compiled, [], [tok.eos_token_id])
+    bad = manager.request_grammar(compiled, tok.encode("zzz", add_special_tokens=False), [tok.eos_token_id])
+    step = manager.step_grammars([("bad", bad), ("good", good)])
+    assert list(step.broken) == ["bad"] and "could not follow" in step.broken["bad"]
+    assert step.bitmask.req_ids == ["good"] and step.bitmask.bitmask.shape[0] == 1 and not step.finished

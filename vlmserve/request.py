@@ -10,6 +10,7 @@ from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vlmserve.structured_output.compiler import CompiledSpec
     from vlmserve.structured_output.manager import RequestGrammar
 
 
@@ -23,7 +24,6 @@ class FinishReason(str, enum.Enum):
 class RequestStatus(enum.IntEnum):
     # waiting states
     WAITING = enum.auto()
-    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is compiling
     # running states
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -95,8 +95,10 @@ class Request:
         # (items wholly inside the prefix-cache hit never needed them)
         self.media_sources: dict[int, str] = {}
 
-        # structured output: set by the engine core (it compiles grammars); the scheduler
-        # holds the request back until it is ready and advances it with every token
+        # structured output: the grammar, compiled by the front end before the request is
+        # queued; the engine core's matcher over it, which the scheduler advances with
+        # every token
+        self.compiled_grammar: CompiledSpec | None = None
         self.grammar: RequestGrammar | None = None
         # speculative decoding: tokens the proposer guessed after the last one, checked
         # by the next step that decodes this request (never part of its tokens or hashes)
@@ -124,6 +126,7 @@ class Request:
         clone._block_hasher = self._block_hasher
         clone.block_hashes = list(self.block_hashes)
         clone.cache_points = list(self.cache_points)
+        clone.compiled_grammar = self.compiled_grammar
         return clone
 
     # -- tokens ---------------------------------------------------------------

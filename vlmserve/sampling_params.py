@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -46,6 +47,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # with json: the JSON is written between these two texts (a forced tool call in the
+    # model's own format, e.g. <tool_call> ... </tool_call>)
+    tool_call_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -61,15 +65,17 @@ class StructuredOutputsParams:
                "structured_outputs.grammar must be a non-empty string")
         _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
                "structured_outputs.choice must be a non-empty list of non-empty strings")
+        _check(self.tool_call_tags is None or self.json is not None, "structured_outputs.tool_call_tags needs json")
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, str]:
         """What the compiled grammar depends on: the cache key."""
         import json
 
         if self.json is not None:
-            schema = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
-            return "json", schema
+            # property order is kept: the answer writes properties in the order the schema lists them
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json", schema if self.tool_call_tags is None else json.dumps([schema, *self.tool_call_tags])
         if self.json_object:
             return "json_object", ""
         if self.regex is not None:
@@ -77,6 +83,12 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "choice", json.dumps(self.choice)
         return "grammar", self.grammar
+
+    @property
+    def name(self) -> str:
+        """What error messages call the constraint."""
+        return {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice list",
+                "grammar": "grammar"}[self.key[0]]
 
 
 @dataclass

@@ -123,7 +123,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
-        self.waiting_for_grammar: list[Request] = []  # WAITING_FOR_FSM: compiling off the step loop
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
         self.num_drafts = 0
@@ -135,11 +134,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        if request.grammar is not None and not request.grammar.ready():
-            request.status = RequestStatus.WAITING_FOR_FSM
-            self.waiting_for_grammar.append(request)
-        else:
-            self.waiting.add(request)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """Ends requests from outside the step loop (abort, stop string, error)."""
@@ -151,34 +146,30 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_FSM:
-                self.waiting_for_grammar.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
     def has_requests(self) -> bool:
-        return bool(self.running or self.waiting or self.waiting_for_grammar)
+        return bool(self.running or self.waiting)
 
-    def has_grammars_compiling(self) -> bool:
-        return bool(self.waiting_for_grammar)
-
-    def admit_compiled(self) -> list[tuple[str, str]]:
-        """Requests whose grammar is ready join the waiting queue; those whose grammar
-        failed to compile end with an error: (request id, why) for each."""
-        failed = []
-        for request in [r for r in self.waiting_for_grammar if r.grammar.ready()]:
-            self.waiting_for_grammar.remove(request)
-            error = request.grammar.error()
-            if error is None:
-                request.status = RequestStatus.WAITING
-                self.waiting.add(request)
-            else:
-                request.status = RequestStatus.FINISHED_ERROR
-                self._free_request(request)
-                failed.append((request.request_id, error))
-        return failed
+    def end_scheduled(self, request_ids: list[str], status: RequestStatus,
+                      errors: dict[str, str] | None = None) -> list[EngineCoreOutput]:
+        """Ends requests of the step about to run (their grammar is complete, or cannot
+        follow their answer): the final output of each; the step's result for them is
+        dropped."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            self.finish_requests(rid, status)
+            outputs.append(EngineCoreOutput(
+                rid, [], status.finish_reason(), error=(errors or {}).get(rid),
+                num_cached_tokens=max(request.num_cached_tokens, 0), media_stats=request.media_stats(),
+                first_scheduled_time=request.first_scheduled_time))
+        return outputs
 
     def grammars_sampling(self, scheduler_output: SchedulerOutput) -> list[tuple[str, RequestGrammar]]:
         """The requests of a step that sample a token under a grammar, in step order."""
@@ -540,12 +531,17 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # -- views ---------------------------------------------------------------------------
+    def describe_waiting(self) -> str:
+        head = self.waiting.peek() if self.waiting else None
+        return (f"{len(self.running)} running, {len(self.waiting)} waiting, {self.kv_cache_manager.num_free_blocks} "
+                f"free KV blocks; first waiting: {head!r}")
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         enc = self.encoder_cache_manager.stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.waiting_for_grammar),
+            num_waiting=len(self.waiting),
             group_kinds=kv.group_kinds(),
             blocks_in_use=kv.blocks_in_use(),
             num_free_blocks=kv.num_free_blocks,

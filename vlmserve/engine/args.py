@@ -8,6 +8,7 @@ from typing import Any
 
 from vlmserve.config import SpeculativeConfig
 from vlmserve.multimodal.media import MediaLimits
+from vlmserve.structured_output.schema import GrammarLimits
 
 
 class ConfigError(ValueError):
@@ -44,7 +45,9 @@ class EngineArgs:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens one step computes at most
     max_n: int = 16  # completions one request may ask for (n); each counts as a request in flight
-    chunked_prefill: bool = True  # split long prompts across steps
+    # split long prompts across steps (off: max_model_len is at most what one step computes for
+    # a request, as in vLLM, or a long prompt would never be scheduled)
+    chunked_prefill: bool = True
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_gb: float = 0.5  # memory for the KV cache and the recurrent states
     num_kv_blocks: int | None = None  # overrides --kv-cache-memory-gb for attention blocks
@@ -74,6 +77,14 @@ class EngineArgs:
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model":
     # "<folder or org/name>", "num_speculative_tokens": 3}; empty: no speculative decoding
     speculative_config: dict[str, Any] = field(default_factory=dict)
+    # structured output: what one request may ask the grammar compiler to do (a 400 names
+    # the limit a request is over)
+    max_grammar_bytes: int = 65536  # a schema's JSON, a regex, a grammar or a choice list
+    max_schema_depth: int = 32  # subschemas nested in a JSON schema
+    max_schema_properties: int = 512  # object properties across a JSON schema
+    max_regex_chars: int = 4096  # a regex, or one pattern of a JSON schema
+    grammar_compile_timeout: float = 10.0  # seconds a grammar may take to compile before its request is refused
+    grammar_compile_workers: int = 2  # processes that compile grammars, each one grammar at a time
 
     def check_device(self) -> None:
         """A device this machine has, and on the CPU Triton only under its interpreter
@@ -108,6 +119,10 @@ class EngineArgs:
             fetch_timeout=self.media_fetch_timeout,
             background=tuple(self.image_background),
         )
+
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(max_bytes=self.max_grammar_bytes, max_schema_depth=self.max_schema_depth,
+                             max_schema_properties=self.max_schema_properties, max_regex_chars=self.max_regex_chars)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

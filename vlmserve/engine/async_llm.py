@@ -62,12 +62,6 @@ class AsyncLLM:
         self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
-    @property
-    def num_pending(self) -> int:
-        """Completions in flight: a request asking for n counts n times."""
-        with self._lock:
-            return sum(n for _, _, n in self._streams.values())
-
     async def generate(
         self,
         request_id: str,
@@ -82,7 +76,9 @@ class AsyncLLM:
         is yielded. Cancelling the iteration (a client that hangs up) aborts the request.
         """
         self._check_alive()
-        self.engine.check_params(params)  # a request that can never run is refused before it is counted
+        # a request that can never run is refused before it is counted (cheap checks only:
+        # the grammar compiles in worker processes, media are processed in the pool)
+        params = self.engine.check_params(params)
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -95,10 +91,15 @@ class AsyncLLM:
             self._streams[request_id] = (loop, out_queue, params.n)
         finished = False
         try:
+            grammar = self.engine.compile_grammar(params)
             pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
             processed: ProcessedRequest = await loop.run_in_executor(
-                pool, self.engine.process_request, request_id, prompt, params, priority, cache_salt, time.time()
+                pool, self.engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time()
             )
+            if grammar is not None:
+                # shielded: the compile is shared with every request of the same spec, and
+                # this one leaving must not cancel it
+                processed.grammar = await asyncio.shield(asyncio.wrap_future(grammar))
             self._command("add", processed)
             while True:
                 item = await out_queue.get()

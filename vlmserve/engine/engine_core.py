@@ -14,7 +14,7 @@ from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
-from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.args import ConfigError, EngineArgs
 from vlmserve.engine.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.spec_decode.draft_model import draft_checkpoint, load_draft_model
@@ -24,6 +24,9 @@ from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+EMPTY_STEPS_REPORTED = 100
+EMPTY_STEP_SLEEP = 0.01
 
 
 @dataclass
@@ -46,12 +49,29 @@ class EngineCore:
         self.structured = structured
         self.timer = timer or PhaseTimer()
         self.num_steps = 0
+        self.num_empty_steps = 0  # steps in a row that scheduled nothing while requests waited
+
+    def _note_progress(self, progressed: bool) -> None:
+        """Requests that wait while none can run (a step that frees memory by preemption may
+        schedule nothing once; more is a bug, as the settings are fitted so that a lone
+        request always fits): the loop waits instead of spinning, and says so."""
+        if progressed:
+            self.num_empty_steps = 0
+            return
+        self.num_empty_steps += 1
+        if self.num_empty_steps == EMPTY_STEPS_REPORTED:
+            logger.warning("%d steps in a row scheduled nothing while requests wait: %s", self.num_empty_steps,
+                           self.scheduler.describe_waiting())
+        if self.num_empty_steps > 1:
+            time.sleep(EMPTY_STEP_SLEEP)
 
     def add_request(self, request: Request) -> None:
-        params = request.sampling_params
-        if params.structured_outputs is not None:
-            stop_ids = ([] if request.eos_token_id is None else [request.eos_token_id]) + params.stop_token_ids
-            request.grammar = self.structured.grammar_for(params.structured_outputs, request.output_token_ids, stop_ids)
+        if request.compiled_grammar is not None:
+            # the grammar ends on the model's end-of-sequence token alone: a request's own
+            # stop_token_ids end the answer where they appear, as without a grammar
+            stop_ids = [] if request.eos_token_id is None else [request.eos_token_id]
+            request.grammar = self.structured.request_grammar(request.compiled_grammar, request.output_token_ids,
+                                                              stop_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -75,15 +95,15 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         with self.timer.phase("schedule"):
-            failed = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=why)
-                      for rid, why in self.scheduler.admit_compiled()]
             scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.scheduler.has_grammars_compiling():
-            time.sleep(0.001)  # only grammars compiling: leave the CPU to their thread
         with self.timer.phase("grammar bitmask"):
-            grammar, broken = self.structured.bitmask(self.scheduler.grammars_sampling(scheduler_output))
-        self.scheduler.finish_requests(list(broken), RequestStatus.FINISHED_ERROR)
-        failed += [EngineCoreOutput(rid, [], FinishReason.ERROR, error=why) for rid, why in broken.items()]
+            grammars = self.structured.step_grammars(self.scheduler.grammars_sampling(scheduler_output))
+        # a grammar that admits no further token (a branch that cannot be completed) ends
+        # the answer where it is; a matcher that cannot follow its answer is a fault
+        ended = self.scheduler.end_scheduled(grammars.finished, RequestStatus.FINISHED_STOPPED)
+        ended += self.scheduler.end_scheduled(list(grammars.broken), RequestStatus.FINISHED_ERROR, grammars.broken)
+        grammar = grammars.bitmask
+        self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended))
         try:
             runner_output = self.runner.execute_model(scheduler_output, grammar)
         except Exception as e:
@@ -91,13 +111,13 @@ class EngineCore:
             logger.exception("model execution failed")
             ids = list(scheduler_output.num_scheduled_tokens)
             self.scheduler.discard_step(scheduler_output)
-            return failed + [
+            return ended + [
                 EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(e).__name__}: {e}")
                 for rid in ids
             ]
         self.num_steps += 1
         with self.timer.phase("scheduler update"):
-            return failed + self.scheduler.update_from_output(scheduler_output, runner_output)
+            return ended + self.scheduler.update_from_output(scheduler_output, runner_output)
 
 
 def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | None,
@@ -126,6 +146,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     # a decode step with drafts computes 1 + k tokens, and a draft model writes past them
     max_model_len = fit_max_model_len(args, hf_config, kv_config, 1 + num_drafts + lookahead)
     max_chunk_tokens = fit_chunk(args.max_num_batched_tokens, kv_config, max_model_len, lookahead)
+    if not args.chunked_prefill:
+        max_model_len = fit_unchunked(args, max_model_len, max_chunk_tokens)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -194,6 +216,22 @@ def fit_max_model_len(args: EngineArgs, hf_config, kv_config: KVCacheConfig, max
     if fits < wanted:
         logger.warning("max_model_len lowered from %d to %d to fit the KV cache", wanted, fits)
     return fits
+
+
+def fit_unchunked(args: EngineArgs, max_model_len: int, max_chunk_tokens: int) -> int:
+    """Without chunked prefill a prompt goes into one step whole, and a preempted request
+    comes back with its output as its prompt: the context can be no longer than one step
+    computes for one request, or such a request would wait forever (vLLM's rule)."""
+    if max_model_len <= max_chunk_tokens:
+        return max_model_len
+    if args.max_model_len is not None:
+        raise ConfigError(f"--max-model-len {args.max_model_len} is over the {max_chunk_tokens} tokens one step computes "
+                          f"for a request (--max-num-batched-tokens {args.max_num_batched_tokens}, the KV cache) "
+                          f"with chunked prefill off: a longer prompt could never be scheduled; raise "
+                          f"--max-num-batched-tokens, lower --max-model-len, or leave chunked prefill on")
+    logger.warning("chunked prefill is off: max_model_len lowered from %d to %d, the most one step computes for a "
+                   "request (--max-num-batched-tokens)", max_model_len, max_chunk_tokens)
+    return max_chunk_tokens
 
 
 def fit_chunk(max_num_batched_tokens: int, kv_config: KVCacheConfig, max_model_len: int, lookahead: int) -> int:

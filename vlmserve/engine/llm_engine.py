@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.structured_output.grammar import build_grammar
+from vlmserve.structured_output.compiler import CompiledSpec, GrammarCompiler
+from vlmserve.structured_output.manager import tokenizer_info_of
+from vlmserve.structured_output.schema import check_spec
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ class ProcessedRequest:
     prompt: str | None
     params: SamplingParams
     request: Request  # the first sample's; the others are cloned from it
+    grammar: CompiledSpec | None = None  # set once compiled, for a request with structured output
 
 
 class LLMEngine:
@@ -96,6 +100,9 @@ class LLMEngine:
             default_mm_kwargs=args.mm_processor_kwargs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_limits = args.grammar_limits()
+        self.grammars = GrammarCompiler(lambda: tokenizer_info_of(self.tokenizer, self.vocab_size),
+                                        args.grammar_compile_workers, args.grammar_compile_timeout)
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "engine ready in %.2fs (%s, %s): %d KV blocks of %d tokens, %d KV cache group(s), max_model_len %d",
@@ -112,6 +119,7 @@ class LLMEngine:
         return self.core.core
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.core.shutdown()
 
     # -- setup helpers -------------------------------------------------------------------
@@ -140,14 +148,33 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> ProcessedRequest:
-        """Validates and processes a request (media included); raises ValueError on bad
-        input. Thread-safe and independent of the step loop: run it in a worker pool."""
+        """Validates and processes a request (media included, its grammar compiled); raises
+        ValueError on bad input. Thread-safe and independent of the step loop: run it in a
+        worker pool."""
         params = self.check_params(params or self.default_sampling_params())
+        grammar = self.compile_grammar(params)
+        processed = self.process_inputs(request_id, prompt, params, priority, cache_salt, arrival_time)
+        if grammar is not None:
+            processed.grammar = grammar.result()
+        return processed
+
+    def process_inputs(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams,
+                       priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> ProcessedRequest:
+        """The prompt's tokens and media (params already checked); the grammar is left to
+        `compile_grammar`. Thread-safe."""
         arrival_time = arrival_time or time.time()
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
         request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def compile_grammar(self, params: SamplingParams) -> Future | None:
+        """A future of the compiled grammar of a request with structured output (compiled in
+        worker processes, cached by spec); ParamError from it if the grammar is refused."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
@@ -163,10 +190,12 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """The model's checks of a request's sampling parameters (ParamError if bad): ids in
-        the vocabulary, a grammar that parses; returns them with bad words tokenized."""
+        the vocabulary, a structured-output spec within the limits and made only of what the
+        grammar engine enforces; returns them with the spec normalised and bad words
+        tokenized. Cheap (linear in the request's size): safe on an event loop."""
         params.verify(self.vocab_size, self.args.max_n)
         if params.structured_outputs is not None:
-            build_grammar(params.structured_outputs)
+            params = replace(params, structured_outputs=check_spec(params.structured_outputs, self.grammar_limits))
         if params.bad_words:
             params = replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         return params
@@ -187,6 +216,9 @@ class LLMEngine:
         if rid in self.output_processor.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         first = processed.request
+        if processed.params.structured_outputs is not None and processed.grammar is None:
+            raise ValueError(f"request {rid!r} asks for structured output, but its grammar was not compiled")
+        first.compiled_grammar = processed.grammar
         child_ids = self.output_processor.add_request(
             rid, processed.prompt, first.prompt_token_ids, processed.params, first.arrival_time
         )

@@ -573,7 +573,10 @@ class ModelRunner:
             generators=[s.generator or self.generator for s in states],
             num_logprobs=[p.logprobs for p in params],
         )
-        banned = [(i, t) for i, (row, s) in enumerate(zip(rows, states)) for t in self._banned_tokens(row, s)]
+        mask_index = {rid: i for i, rid in enumerate(grammar.req_ids)} if grammar is not None else {}
+        banned = [(i, t) for i, (row, s) in enumerate(zip(rows, states))
+                  for t in self._banned_tokens(row, s, grammar.bitmask[mask_index[s.req_id]]
+                                               if s.req_id in mask_index else None)]
         if banned:
             sampling.banned = tuple(torch.tensor(list(x), dtype=torch.long, device=dev) for x in zip(*banned))
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
@@ -584,21 +587,23 @@ class ModelRunner:
         if any(p.has_penalties for p in params):
             sampling.penalties = self._penalties(rows, params, vocab)
         if grammar is not None:
-            index = {rid: i for i, rid in enumerate(grammar.req_ids)}
-            pairs = [(i, index[s.req_id]) for i, s in enumerate(states) if s.req_id in index]
+            pairs = [(i, mask_index[s.req_id]) for i, s in enumerate(states) if s.req_id in mask_index]
             if pairs:
                 sample_rows, mask_rows = zip(*pairs)
                 sampling.grammar = (torch.tensor(sample_rows, device=dev),
                                     grammar.bitmask[list(mask_rows)].to(dev))
         return sampling
 
-    def _banned_tokens(self, row: int, state: CachedRequestState) -> list[int]:
-        """EOS and stop tokens while below min_tokens; bad words: a one-token word always,
-        a longer one's last token when the output ends with the rest of it."""
+    def _banned_tokens(self, row: int, state: CachedRequestState, grammar_mask: torch.Tensor | None) -> list[int]:
+        """EOS and stop tokens while below min_tokens, unless the request's grammar admits
+        nothing else (its answer is complete: the grammar wins); bad words: a one-token word
+        always, a longer one's last token when the output ends with the rest of it."""
         p = state.sampling_params
         banned = []
         if state.num_output_tokens < p.min_tokens:
-            banned += ([] if self.eos_token_id is None or p.ignore_eos else [self.eos_token_id]) + p.stop_token_ids
+            stops = ([] if self.eos_token_id is None or p.ignore_eos else [self.eos_token_id]) + p.stop_token_ids
+            if grammar_mask is None or _allows_other_than(grammar_mask, stops):
+                banned += stops
         n_prompt, n_tokens = state.num_prompt_tokens, int(self.input_batch.num_tokens[row])
         for word in p.bad_words_token_ids:
             prefix = word[:-1]
@@ -621,3 +626,12 @@ class ModelRunner:
             output_counts=counts,
             in_prompt=in_prompt,
         )
+
+
+def _allows_other_than(bitmask_row: torch.Tensor, token_ids: list[int]) -> bool:
+    """Whether a grammar's bitmask row (int32 words) admits a token outside token_ids."""
+    words = bitmask_row.cpu().numpy().view(np.uint32).copy()
+    for t in token_ids:
+        if t // 32 < len(words):
+            words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return bool(words.any())

@@ -151,12 +151,13 @@ class OpenAIServer:
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
 
-    async def _start(self, request_id: str, prompt: PromptInput, params, req: SamplingRequest):
+    async def _start(self, request_id: str, prompt: PromptInput, params, req: SamplingRequest, request: Request):
         """Starts generation and waits for its first output, so that bad input is answered
-        with an HTTP error rather than inside a stream."""
+        with an HTTP error rather than inside a stream. A client that hangs up meanwhile
+        (its grammar compiling, its pictures processed, the queue ahead of it) ends it."""
         gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt)
         try:
-            first = await gen.__anext__()
+            first = await _unless_gone(gen.__anext__(), request, gen)
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
         except ValueError as e:
@@ -177,16 +178,8 @@ class OpenAIServer:
 
         final = first
         if not first.finished:
-            task = asyncio.ensure_future(consume())
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()  # the generator's own clean-up aborts the request
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise ClientGone
             try:
-                final = task.result()
+                final = await _unless_gone(consume(), request, gen)
             except EngineDeadError as e:
                 raise OpenAIError(503, str(e)) from None
         if final.error or any(c.finish_reason == "error" for c in final.outputs):
@@ -275,6 +268,10 @@ class OpenAIServer:
         self._check_model(req)
         tools = tool_calls.template_tools(req.tools) if req.uses_tools else None
         try:
+            tool_calls.check_tools(req.tools or [])
+        except ParamError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
+        try:
             prompt = self.engine.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                                                     tools)
         except ValueError as e:
@@ -284,16 +281,13 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, max_tokens, logprobs, default_max=None)
         if req.uses_tools:
-            try:
-                forced = tool_calls.constraint(req.tools, req.tool_choice)
-            except ParamError as e:
-                raise OpenAIError(400, str(e), param=e.param) from None
+            forced = tool_calls.constraint(req.tools, req.tool_choice)
             if forced is not None and params.structured_outputs is not None:
                 raise OpenAIError(400, "a required or named tool_choice cannot be combined with response_format",
                                   param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=forced or params.structured_outputs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await self._start(request_id, prompt, params, req)
+        first, gen = await self._start(request_id, prompt, params, req, request)
         if req.stream:
             tool_streams: dict[int, tool_calls.ToolCallStream] = {}
 
@@ -354,7 +348,7 @@ class OpenAIServer:
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
         params = self._params(req, req.max_tokens, req.logprobs, default_max=16)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        first, gen = await self._start(request_id, prompt, params, req)
+        first, gen = await self._start(request_id, prompt, params, req, request)
         if req.stream:
             def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
                 return {"index": c.index, "text": text, "finish_reason": c.finish_reason, "logprobs": None}
@@ -369,6 +363,23 @@ class OpenAIServer:
                    for c in final.outputs]
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(final)}
+
+
+async def _unless_gone(awaitable, request: Request, gen: AsyncIterator[RequestOutput]):
+    """Awaits while the client is connected; if it hangs up, the request is aborted (the
+    generator's own clean-up) and ClientGone raised."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
+            raise ClientGone
 
 
 def _output_error(out: RequestOutput) -> OpenAIError:

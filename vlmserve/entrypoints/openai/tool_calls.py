@@ -11,19 +11,15 @@ constrain the answer to one block whose JSON validates against the tool's parame
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import xgrammar as xgr
-
 from vlmserve.entrypoints.openai.protocol import NamedToolChoice, Tool
-from vlmserve.sampling_params import ParamError, StructuredOutputsParams
-from vlmserve.structured_output.grammar import json_schema_grammar
+from vlmserve.sampling_params import StructuredOutputsParams
+from vlmserve.structured_output.schema import check_tool_parameters
 
 START, END = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
 
 
 @dataclass
@@ -41,9 +37,16 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in tools]
 
 
+def check_tools(tools: list[Tool]) -> None:
+    """Each tool's parameters describe a JSON object (OpenAI sends arguments as one)."""
+    for i, tool in enumerate(tools):
+        check_tool_parameters(tool.function.parameters, f"tools[{i}].function")
+
+
 def constraint(tools: list[Tool], choice: str | NamedToolChoice | None) -> StructuredOutputsParams | None:
-    """The grammar of `required` (one call of any tool) or a named choice (one call of
-    that tool); None for `auto` and `none`."""
+    """The constraint of `required` (one call of any tool) or a named choice (one call of
+    that tool), in the model's format; None for `auto` and `none`. It is compiled like any
+    JSON schema (checked, then built in a compile worker)."""
     if isinstance(choice, NamedToolChoice):
         calls = [_call_schema(t) for t in tools if t.function.name == choice.function.name]
     elif choice == "required":
@@ -51,13 +54,7 @@ def constraint(tools: list[Tool], choice: str | NamedToolChoice | None) -> Struc
     else:
         return None
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    try:
-        call = json_schema_grammar(schema)
-    except Exception as e:
-        raise ParamError("tools", f"a tool's parameters are not a valid JSON schema: {e}") from None
-    grammar = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(START + chr(10))}"), call,
-                                 xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + END)}"))
-    return StructuredOutputsParams(grammar=str(grammar))
+    return StructuredOutputsParams(json=schema, tool_call_tags=(START + "\n", "\n" + END))
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
@@ -68,28 +65,56 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 def parse(text: str) -> tuple[str, list[ToolCall]]:
     """The answer's text outside tool-call blocks, and the calls (a block that is not a
-    JSON call with a name stays in the text)."""
+    JSON call with a name stays in the text). A block is read by its structure: the JSON
+    value after the opening tag, then the closing tag, so a closing tag inside a string
+    argument does not end it."""
     calls, kept, pos = [], [], 0
-    for m in _BLOCK.finditer(text):
-        call = _parse_call(m.group(1))
-        if call is None:
+    while True:
+        start = text.find(START, pos)
+        if start < 0:
+            break
+        block = _read_block(text, start)
+        if block is None:  # not a call: keep it as text and look further
+            kept.append(text[pos : start + len(START)])
+            pos = start + len(START)
             continue
-        kept.append(text[pos : m.start()])
-        pos = m.end()
+        call, end = block
+        kept.append(text[pos:start])
         calls.append(call)
+        pos = end
     kept.append(text[pos:])
     return "".join(kept).strip() if calls else text, calls
 
 
-def _parse_call(body: str) -> ToolCall | None:
+def _read_block(text: str, start: int) -> tuple[ToolCall, int] | None:
+    """The call whose block opens at `start` and where the block ends; None if what follows
+    the opening tag is not a JSON call and a closing tag (or is not complete yet)."""
+    i = _skip_space(text, start + len(START))
     try:
-        obj = json.loads(body)
+        obj, i = _DECODER.raw_decode(text, i)
     except ValueError:
         return None
+    i = _skip_space(text, i)
+    if not text.startswith(END, i):
+        return None
+    call = _as_call(obj)
+    return None if call is None else (call, i + len(END))
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _as_call(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+_DECODER = json.JSONDecoder()
 
 
 class ToolCallStream:
@@ -105,29 +130,41 @@ class ToolCallStream:
         """The full text so far -> (new content, newly completed calls)."""
         content, calls = [], []
         while True:
-            rest = text[self.sent :]
-            start = rest.find(START)
+            rest_start = self.sent
+            start = text.find(START, rest_start)
             if start < 0:
-                keep = 0 if final else _partial_start(rest)
-                content.append(rest[: len(rest) - keep])
-                self.sent += len(rest) - keep
+                keep = 0 if final else _partial_start(text[rest_start:])
+                content.append(text[rest_start : len(text) - keep])
+                self.sent = len(text) - keep
                 break
-            content.append(rest[:start])
-            m = _BLOCK.match(rest, start)
-            if m is None:  # the block is still open
-                self.sent += start
-                if final:
-                    content.append(rest[start:])
-                    self.sent = len(text)
-                break
-            call = _parse_call(m.group(1))
-            if call is None:
-                content.append(m.group(0))
-            else:
+            content.append(text[rest_start:start])
+            self.sent = start
+            block = _read_block(text, start)
+            if block is not None:
+                call, end = block
                 calls.append(call)
-            self.sent += m.end()
+                self.sent = end
+                continue
+            if final or _cannot_become_call(text, start):
+                # never a call: out as text, up to the next possible block
+                content.append(START)
+                self.sent = start + len(START)
+                continue
+            break  # the block is still open
         self.num_calls += len(calls)
         return "".join(content), calls
+
+
+def _cannot_become_call(text: str, start: int) -> bool:
+    """Whether the block opening at `start` is already known not to be a call: its JSON
+    value is complete and something other than the closing tag follows it."""
+    i = _skip_space(text, start + len(START))
+    try:
+        _, i = _DECODER.raw_decode(text, i)
+    except ValueError:
+        return i < len(text) and text[i] not in "{"  # a value that is not an object cannot be a call
+    i = _skip_space(text, i)
+    return i < len(text) and not END.startswith(text[i : i + len(END)])
 
 
 def _partial_start(text: str) -> int:
