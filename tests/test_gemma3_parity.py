@@ -11,7 +11,7 @@ from test_qwen2_5_vl_parity import (CASES, IMG_A, IMG_C, assert_all_free, check,
                                     greedy, request)
 from vlmserve import LLM, SamplingParams
 from vlmserve.testing.checkpoints import build_gemma3
-from vlmserve.worker.model_runner import ModelRunner
+from vlmserve.worker.step_inputs import StepInputBuilder
 
 PAN_AND_SCAN = {"do_pan_and_scan": True}
 # over 1.2:1 with crops of 256 px or more: the picture and two crops, each 16 tokens
@@ -85,7 +85,7 @@ def test_a_step_never_cuts_a_picture(gemma3_path, hf_gemma3):
 
 
 def test_without_the_pictures_two_way_attention_the_answer_is_not_transformers(gemma3_path, hf_gemma3, monkeypatch):
-    monkeypatch.setattr(ModelRunner, "_key_ends", lambda self, step: None)
+    monkeypatch.setattr(StepInputBuilder, "_key_ends", lambda self, step: None)
     text, images = CASES["one_image"]
     out = gemma(gemma3_path).generate(request(hf_gemma3, text, images), greedy(prompt_logprobs=-1))[0]
     with pytest.raises(AssertionError):

@@ -9,7 +9,7 @@ import torch
 
 from conftest import data_url, make_image, png_bytes
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.args import ConfigError
+from vlmserve.errors import ConfigError
 
 IMG = make_image(130, 100, seed=1)
 

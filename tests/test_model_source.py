@@ -16,7 +16,7 @@ import pytest
 from conftest import make_image, png_bytes
 from test_openai_server import Server
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.args import ConfigError
+from vlmserve.errors import ConfigError
 from vlmserve.engine.model_source import resolve_model_path, served_name
 
 REPO = "tiny-org/tiny-vl"

@@ -144,7 +144,7 @@ def test_one_memory_budget_shared_by_every_group(qwen35_path):
     for tensors in runner.kv_caches.values():
         for t in tensors:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    recurrent = {t.untyped_storage().data_ptr() for layer in runner.recurrent_layers for t in runner.kv_caches[layer]}
+    recurrent = {t.untyped_storage().data_ptr() for layer in runner.plan.recurrent_layers for t in runner.kv_caches[layer]}
     state_bytes = sum(n for p, n in storages.items() if p in recurrent)
     total = sum(storages.values())
     budget = budget_gb * (1 << 30)

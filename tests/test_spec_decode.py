@@ -12,9 +12,10 @@ import torch
 from test_qwen2_5_vl_parity import IMG_A, CASES, assert_all_free, check, greedy, mixed_requests, request, run_together
 from vlmserve import LLM, SamplingParams
 from vlmserve.config import SpeculativeConfig
-from vlmserve.engine.args import ConfigError
+from vlmserve.errors import ConfigError
 from vlmserve.sampling_params import StructuredOutputsParams
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
+from vlmserve.spec_decode.proposer import Proposer, token_history
 from vlmserve.worker.rejection_sampler import verify
 from vlmserve.worker.sampler import SamplingBatch
 
@@ -28,7 +29,7 @@ CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}
 def propose(tokens, **settings):
     config = SpeculativeConfig(**{"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                                   **settings})
-    return NgramProposer(config).propose(np.asarray(tokens, dtype=np.int64))
+    return NgramProposer(config).lookup(np.asarray(tokens, dtype=np.int64))
 
 
 def test_the_proposer_copies_what_followed_the_latest_longest_match():
@@ -126,9 +127,9 @@ def test_sampled_tokens_of_a_model_keep_its_distribution(qwen25_path):
     p /= p.sum()
     draft = int(top[1])  # the second most likely: kept about as often as refused
 
-    class Fixed:
-        def propose(self, tokens):
-            return [draft]
+    class Fixed(Proposer):
+        def propose(self, so, step, kept, proposing):
+            return {step.req_ids[i]: [draft] for i in proposing}
 
     llm = LLM(qwen25_path, num_kv_blocks=512, max_num_seqs=64, speculative_config=NGRAM)
     llm.engine.engine_core.runner.proposer = Fixed()
@@ -255,15 +256,19 @@ def test_bad_settings_are_refused_before_loading(qwen25_path):
 
 
 # ----------------------------------------------------------------------------- hybrid models
-class OracleProposer:
+class OracleProposer(Proposer):
     """Drafts the answer a run without speculation gave (random-weight models rarely
     repeat themselves, so n-grams are seldom right), with one draft in three wrong: drafts
     are kept, and refused part-way."""
 
-    def __init__(self, sequences: list[list[int]]) -> None:
+    def __init__(self, sequences: list[list[int]], batch) -> None:
         self.sequences = [np.asarray(s) for s in sequences]
+        self.batch = batch
 
-    def propose(self, tokens: np.ndarray) -> list[int]:
+    def propose(self, so, step, kept, proposing):
+        return {step.req_ids[i]: self.lookup(token_history(self.batch, step.rows[i])) for i in proposing}
+
+    def lookup(self, tokens: np.ndarray) -> list[int]:
         n = len(tokens)
         for full in self.sequences:
             if len(full) > n and np.array_equal(full[:n], tokens):
@@ -275,8 +280,9 @@ class OracleProposer:
 
 
 def with_oracle(llm: LLM, plain_outputs) -> LLM:
-    llm.engine.engine_core.runner.proposer = OracleProposer(
-        [o.prompt_token_ids + o.outputs[0].token_ids for o in plain_outputs])
+    runner = llm.engine.engine_core.runner
+    runner.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain_outputs],
+                                     runner.input_batch)
     return llm
 
 
@@ -450,7 +456,7 @@ def test_a_draft_model_takes_its_cache_from_the_same_budget(qwen35_path):
     llm = LLM(qwen35_path, kv_cache_memory_gb=budget_gb, max_num_seqs=seqs, speculative_config=draft_settings(qwen35_path))
     runner = llm.engine.engine_core.runner
     storages = {}
-    for caches in (runner.kv_caches, runner.drafter.plan.kv_caches):
+    for caches in (runner.kv_caches, runner.proposer.plan.kv_caches):
         for tensors in caches.values():
             for t in tensors:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -6,7 +6,6 @@ calls read by their structure. Each case of the reliability round is here as a t
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 
@@ -16,7 +15,7 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from vlmserve import LLM, SamplingParams
-from vlmserve.engine.args import ConfigError
+from vlmserve.errors import ConfigError
 from vlmserve.entrypoints.openai import tool_calls
 from vlmserve.sampling_params import ParamError, StructuredOutputsParams
 from vlmserve.structured_output.compiler import GrammarCompiler

@@ -7,12 +7,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vlmserve.config import SpeculativeConfig
+from vlmserve.errors import ConfigError
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.structured_output.schema import GrammarLimits
-
-
-class ConfigError(ValueError):
-    """Settings the engine cannot run with; the message says which and what to do."""
 
 
 @dataclass

@@ -22,9 +22,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from vlmserve.core.scheduler import EngineCoreOutput, SchedulerStats
-from vlmserve.engine.args import ConfigError, EngineArgs
+from vlmserve.engine.args import EngineArgs
+from vlmserve.errors import ConfigError
 from vlmserve.engine.engine_core import CoreInfo, EngineCore, build_engine_core
-from vlmserve.engine.phase_timer import PhaseTimer
+from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)

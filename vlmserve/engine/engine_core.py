@@ -14,10 +14,12 @@ from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
-from vlmserve.engine.args import ConfigError, EngineArgs
-from vlmserve.engine.phase_timer import PhaseTimer
+from vlmserve.engine.args import EngineArgs
+from vlmserve.errors import ConfigError
+from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
-from vlmserve.spec_decode.draft_model import draft_checkpoint, load_draft_model
+from vlmserve.engine.model_source import draft_checkpoint
+from vlmserve.spec_decode.draft_model import load_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model

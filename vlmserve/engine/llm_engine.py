@@ -14,14 +14,15 @@ import torch
 from transformers import AutoConfig
 
 from vlmserve.core.kv_cache_utils import BlockHasher
-from vlmserve.engine.args import ConfigError, EngineArgs
+from vlmserve.engine.args import EngineArgs
+from vlmserve.errors import ConfigError
 from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
 from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
-from vlmserve.engine.phase_timer import PhaseTimer
+from vlmserve.phase_timer import PhaseTimer
 from vlmserve.engine.stats import EngineStats
 from vlmserve.models import get_model_class
 from vlmserve.multimodal.media import MediaLoader

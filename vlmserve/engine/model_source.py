@@ -8,7 +8,8 @@ import os
 import re
 from pathlib import Path
 
-from vlmserve.engine.args import ConfigError
+from vlmserve.config import SpeculativeConfig
+from vlmserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +89,44 @@ def sampling_defaults(path: str) -> dict[str, float | int]:
         return {}
     config = json.loads(file.read_text())
     return {field: config[key] for key, field in _SAMPLING_KEYS.items() if config.get(key) is not None}
+
+
+# vision settings that decide how many placeholder tokens (and which M-RoPE positions) a
+# picture gets: the draft must read the target's prompts token for token
+_VISION_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size", "mm_tokens_per_image")
+
+
+def draft_checkpoint(config: SpeculativeConfig, target_path: str, download_dir: str | None = None) -> str:
+    """The draft's checkpoint folder, checked against the target's: same tokenizer, same
+    family, same picture tokens. ConfigError saying what differs."""
+    try:
+        path = resolve_model_path(config.model, download_dir=download_dir)
+    except ConfigError as e:  # "--model X: why" -> the draft's setting and why
+        raise ConfigError(f"--speculative-config model {config.model}: {str(e).split(': ', 1)[-1]}") from None
+    from transformers import AutoConfig, AutoTokenizer
+
+    draft, target = AutoConfig.from_pretrained(path), AutoConfig.from_pretrained(target_path)
+    why = _incompatibility(draft, target)
+    if why is None and AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(
+            target_path).get_vocab():
+        why = "its tokenizer's vocabulary differs from the target's"
+    if why:
+        raise ConfigError(f"--speculative-config model {config.model}: cannot draft for this model: {why}")
+    return path
+
+
+def _incompatibility(draft, target) -> str | None:
+    text_d, text_t = getattr(draft, "text_config", draft), getattr(target, "text_config", target)
+    if text_d.vocab_size != text_t.vocab_size:
+        return f"vocab_size {text_d.vocab_size} != the target's {text_t.vocab_size}"
+    vision_t = getattr(target, "vision_config", None)
+    if vision_t is None:
+        return None
+    if draft.model_type != target.model_type:
+        return f"model_type {draft.model_type!r} != the target's {target.model_type!r} (pictures must become the same tokens)"
+    vision_d = getattr(draft, "vision_config", None)
+    for key in _VISION_KEYS:
+        mine, theirs = getattr(vision_d, key, None), getattr(vision_t, key, None)
+        if mine != theirs:
+            return f"vision_config.{key} {mine} != the target's {theirs}"
+    return None

@@ -14,7 +14,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from vlmserve.engine.args import ConfigError, EngineArgs
+from vlmserve.engine.args import EngineArgs
+from vlmserve.errors import ConfigError
 
 
 def parse_limits(text: str) -> dict[str, int]:

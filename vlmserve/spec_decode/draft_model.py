@@ -1,10 +1,10 @@
 """A draft model: a smaller checkpoint with the target's tokenizer guesses the next k
 tokens of each decoding request greedily; the target checks them all in one forward.
 
-The runner drives it (`ModelRunner._run_drafter`); each step, after the target's tokens
-are known, the draft model computes the tokens the target kept (so its cache holds
-what the target's holds: prompt chunks, pictures through its own encoder, accepted
-drafts), then k one-token forwards from each request's new token make the guesses.
+Each step, after the target's tokens are known, the draft model computes the tokens the
+target kept (so its cache holds what the target's holds: prompt chunks, pictures through
+its own encoder, accepted drafts), then k one-token forwards from each request's new
+token make the guesses (`DraftModelProposer.propose`).
 
 Its memory follows the target's, so the scheduler manages one set of ids for both:
 its attention layers have KV tensors of their own on the block ids of the target's
@@ -13,62 +13,28 @@ allocates k lookahead slots per request for the guesses), and its recurrent laye
 any, keep their states in the target's state slots (prefix-cache snapshots and restores
 cover both) plus a scratch slot per batch row, where the guesses run without moving
 the live state. Guessing greedily keeps verification exact for sampled requests too:
-a deterministic draft is a one-hot proposal.
+a deterministic draft is a one-hot proposal. The checkpoint is checked against the
+target's before anything loads (engine/model_source.draft_checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
-from vlmserve.config import SpeculativeConfig
-from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup, MambaSpec, group_layers
-from vlmserve.engine.args import ConfigError
-from vlmserve.engine.model_source import resolve_model_path
+from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec,
+                                         SlidingWindowSpec, group_layers)
+from vlmserve.core.sched_output import SchedulerOutput
+from vlmserve.errors import ConfigError
+from vlmserve.kernels.attention import kv_cache_shapes
+from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.spec_decode.proposer import Proposer
 from vlmserve.worker.model_loader import load_model
+from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
-
-# vision settings that decide how many placeholder tokens (and which M-RoPE positions) a
-# picture gets: the draft must read the target's prompts token for token
-_VISION_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size", "mm_tokens_per_image")
-
-
-def draft_checkpoint(config: SpeculativeConfig, target_path: str, download_dir: str | None = None) -> str:
-    """The draft's checkpoint folder, checked against the target's: same tokenizer, same
-    family, same picture tokens. ConfigError saying what differs."""
-    try:
-        path = resolve_model_path(config.model, download_dir=download_dir)
-    except ConfigError as e:  # "--model X: why" -> the draft's setting and why
-        raise ConfigError(f"--speculative-config model {config.model}: {str(e).split(': ', 1)[-1]}") from None
-    draft, target = AutoConfig.from_pretrained(path), AutoConfig.from_pretrained(target_path)
-    why = _incompatibility(draft, target)
-    if why is None and AutoTokenizer.from_pretrained(path).get_vocab() != AutoTokenizer.from_pretrained(
-            target_path).get_vocab():
-        why = "its tokenizer's vocabulary differs from the target's"
-    if why:
-        raise ConfigError(f"--speculative-config model {config.model}: cannot draft for this model: {why}")
-    return path
-
-
-def _incompatibility(draft, target) -> str | None:
-    text_d, text_t = getattr(draft, "text_config", draft), getattr(target, "text_config", target)
-    if text_d.vocab_size != text_t.vocab_size:
-        return f"vocab_size {text_d.vocab_size} != the target's {text_t.vocab_size}"
-    vision_t = getattr(target, "vision_config", None)
-    if vision_t is None:
-        return None
-    if draft.model_type != target.model_type:
-        return f"model_type {draft.model_type!r} != the target's {target.model_type!r} (pictures must become the same tokens)"
-    vision_d = getattr(draft, "vision_config", None)
-    for key in _VISION_KEYS:
-        mine, theirs = getattr(vision_d, key, None), getattr(vision_t, key, None)
-        if mine != theirs:
-            return f"vision_config.{key} {mine} != the target's {theirs}"
-    return None
-
 
 def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.dtype, device: str,
                      pack_weights: bool, use_triton: bool, block_size: int) -> tuple[torch.nn.Module, list[KVCacheGroup]]:
@@ -85,3 +51,110 @@ def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.
         raise ConfigError("--speculative-config model: the target has no full-attention layers whose blocks the "
                           "draft's attention could use")
     return model, groups
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, model: torch.nn.Module, num_tokens: int, kv_cache_config: KVCacheConfig,
+                 inputs: StepInputBuilder, max_num_seqs: int, max_model_len: int) -> None:
+        self.model = model
+        self.num_tokens = num_tokens  # guesses per request and step
+        self.inputs = inputs
+        self.max_model_len = max_model_len
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.scratch_slot_base = kv_cache_config.num_state_slots  # batch row r guesses in slot base + r
+        self.plan = self._layer_plan(kv_cache_config, max_num_seqs)
+
+    def _layer_plan(self, kv_cache_config: KVCacheConfig, max_num_seqs: int) -> LayerPlan:
+        """Its own KV tensors, on the block ids of the target's first full-attention group,
+        and its recurrent states on the target's state slots plus a scratch slot per row."""
+        attention_groups = [g for g in kv_cache_config.groups if isinstance(g.spec, AttentionSpec)]
+        full = [a for a, g in enumerate(attention_groups) if type(g.spec) is FullAttentionSpec]
+        device, block_size = self.inputs.device, self.inputs.block_size
+        caches, attention, recurrent = {}, {}, []
+        for layer, spec in self.model.kv_cache_specs(block_size, next(self.model.parameters()).dtype).items():
+            if isinstance(spec, MambaSpec):
+                n = self.scratch_slot_base + max_num_seqs
+                caches[layer] = (torch.zeros(n, *spec.conv_shape, dtype=spec.dtype, device=device),
+                                 torch.zeros(n, *spec.ssm_shape, dtype=torch.float32, device=device))
+                recurrent.append(layer)
+                continue
+            shapes = kv_cache_shapes(kv_cache_config.num_blocks, block_size, spec.num_kv_heads, spec.head_size)
+            caches[layer] = tuple(torch.zeros(shape, dtype=spec.dtype, device=device) for shape in shapes)
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            attention.setdefault(window, []).append(layer)
+        return LayerPlan("draft", caches, [(tuple(ids), full[0], w) for w, ids in attention.items()], recurrent)
+
+    # -- pictures: read with its own encoder ------------------------------------------------------
+    def encode(self, features: list[MultiModalFeature]) -> None:
+        for feature, out in zip(features, self.model.embed_multimodal(features)):
+            self.encoder_cache[feature.mm_hash] = out
+
+    def free_encoder_outputs(self, mm_hashes) -> None:
+        for mm_hash in mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+
+    def clear_encoder_cache(self) -> None:
+        self.encoder_cache.clear()
+
+    # -- the step -----------------------------------------------------------------------------------
+    def propose(self, so: SchedulerOutput, step: StepInputs, kept: list[int], proposing: list[int]
+                ) -> dict[str, list[int]]:
+        self._catch_up(so, step, kept)
+        return self._guesses(step, proposing) if proposing else {}
+
+    def _catch_up(self, so: SchedulerOutput, step: StepInputs, kept: list[int]) -> None:
+        """Computes the tokens the target kept this step, so that its cache holds what the
+        target's holds (with the same prefix-cache restores and snapshots)."""
+        starts = np.cumsum([0] + step.query_lens[:-1])
+        order = sorted(range(len(kept)), key=lambda i: kept[i] != 1)  # one-token queries first
+        index = np.concatenate([np.arange(starts[i], starts[i] + kept[i]) for i in order])
+        index_t = torch.from_numpy(index).to(self.inputs.device)
+        catch_up = StepInputs(
+            req_ids=[step.req_ids[i] for i in order],
+            rows=[step.rows[i] for i in order],
+            num_computed=[step.num_computed[i] for i in order],
+            query_lens=[kept[i] for i in order],
+            num_drafts=[0] * len(order),
+            checkpoints=[[] for _ in order],
+            propose_drafts=False,
+            input_ids=step.input_ids[index_t],
+            positions=step.positions[:, index_t],
+        )
+        embeds, ctx = self.inputs.model_inputs(self.model, self.plan, catch_up, self.encoder_cache)
+        self.inputs.copy_states(so.state_restores, self.plan)
+        self.model.forward(embeds, catch_up.positions, ctx)
+        self.inputs.copy_states(so.state_saves, self.plan)
+
+    def _guesses(self, step: StepInputs, proposing: list[int]) -> dict[str, list[int]]:
+        """k greedy guesses after each new token of the requests that take drafts, one
+        batched one-token forward per guess."""
+        batch, staging = self.inputs.batch, self.inputs.staging
+        rows = [step.rows[i] for i in proposing]
+        rows_np = np.asarray(rows, dtype=np.int64)
+        first = batch.num_tokens[rows_np] - 1  # each request's new token, guessed from
+        deltas = np.asarray([batch.states[r].mrope_delta for r in rows], dtype=np.int64)
+        scratch = [self.scratch_slot_base + r for r in rows]
+        # the guesses move the recurrent state: they start from a copy of it
+        self.inputs.copy_states([(batch.states[r].state_slot, s) for r, s in zip(rows, scratch)], self.plan)
+        tokens = batch.token_ids[rows_np, first]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for j in range(self.num_tokens):
+            sel = np.flatnonzero(first + j < self.max_model_len)  # a guess needs a KV slot inside the context
+            if not sel.size:
+                break
+            pos = first[sel] + j
+            guess_step = StepInputs(
+                req_ids=[step.req_ids[proposing[s]] for s in sel], rows=[rows[s] for s in sel],
+                num_computed=pos.tolist(), query_lens=[1] * len(sel), num_drafts=[0] * len(sel),
+                checkpoints=[[] for _ in sel], propose_drafts=False,
+                input_ids=staging.upload(f"draft{j}.input_ids", tokens[sel]),
+                positions=staging.upload(f"draft{j}.positions", pos + deltas[sel]).expand(3, -1),
+            )
+            ctx = self.inputs.forward_context(guess_step, self.plan, [scratch[s] for s in sel], name=f"draft{j}")
+            embeds = self.model.embed_input_ids(guess_step.input_ids)
+            hidden = self.model.forward(embeds, guess_step.positions, ctx)
+            new = self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+            tokens[sel] = new
+            for s, token in zip(sel, new.tolist()):
+                drafts[s].append(token)
+        return {step.req_ids[i]: drafts[s] for s, i in enumerate(proposing)}

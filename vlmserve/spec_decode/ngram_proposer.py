@@ -8,15 +8,24 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from vlmserve.config import SpeculativeConfig
+from vlmserve.core.sched_output import SchedulerOutput
+from vlmserve.spec_decode.proposer import Proposer, token_history
+from vlmserve.worker.input_batch import InputBatch
+from vlmserve.worker.step_inputs import StepInputs
 
 
-class NgramProposer:
-    def __init__(self, config: SpeculativeConfig) -> None:
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, batch: InputBatch | None = None) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.batch = batch
 
-    def propose(self, tokens: np.ndarray) -> list[int]:
+    def propose(self, so: SchedulerOutput, step: StepInputs, kept: list[int], proposing: list[int]
+                ) -> dict[str, list[int]]:
+        return {step.req_ids[i]: self.lookup(token_history(self.batch, step.rows[i])) for i in proposing}
+
+    def lookup(self, tokens: np.ndarray) -> list[int]:
         """Drafts for a request whose tokens so far are `tokens` (prompt and output): the
         longest n-gram (max_n down to min_n) that ends the sequence and also occurs
         earlier wins; of its occurrences, the latest. Up to k tokens, possibly none."""

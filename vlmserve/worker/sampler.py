@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.kernels import ops
+from vlmserve.structured_output.manager import GrammarBitmask
+from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 
 NEG_INF = float("-inf")
 
@@ -46,6 +49,85 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
+
+
+def build_sampling_batch(batch: InputBatch, rows: list[int], vocab: int, grammar: GrammarBitmask | None,
+                         eos_token_id: int | None, generator: torch.Generator) -> SamplingBatch:
+    """The sampling settings of these batch rows as tensors over the rows (`generator`:
+    the engine's, for rows without a seed of their own)."""
+    states = [batch.states[r] for r in rows]
+    params = [s.sampling_params for s in states]
+    dev = generator.device
+    sampling = SamplingBatch(
+        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+        top_p=torch.tensor([p.top_p for p in params], device=dev),
+        min_p=torch.tensor([p.min_p for p in params], device=dev),
+        generators=[s.generator or generator for s in states],
+        num_logprobs=[p.logprobs for p in params],
+    )
+    mask_index = {rid: i for i, rid in enumerate(grammar.req_ids)} if grammar is not None else {}
+    banned = [(i, t) for i, (row, s) in enumerate(zip(rows, states))
+              for t in _banned_tokens(batch, row, s, eos_token_id,
+                                      grammar.bitmask[mask_index[s.req_id]] if s.req_id in mask_index else None)]
+    if banned:
+        sampling.banned = tuple(torch.tensor(list(x), dtype=torch.long, device=dev) for x in zip(*banned))
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+    if bias:
+        i, t, b = zip(*bias)
+        sampling.logit_bias = (torch.tensor(i, device=dev), torch.tensor(t, device=dev),
+                               torch.tensor(b, dtype=torch.float32, device=dev))
+    if any(p.has_penalties for p in params):
+        sampling.penalties = _penalties(batch, rows, params, vocab, dev)
+    pairs = [(i, mask_index[s.req_id]) for i, s in enumerate(states) if s.req_id in mask_index]
+    if pairs:
+        sample_rows, mask_rows = zip(*pairs)
+        sampling.grammar = (torch.tensor(sample_rows, device=dev), grammar.bitmask[list(mask_rows)].to(dev))
+    return sampling
+
+
+def _banned_tokens(batch: InputBatch, row: int, state: CachedRequestState, eos_token_id: int | None,
+                   grammar_mask: torch.Tensor | None) -> list[int]:
+    """EOS and stop tokens while below min_tokens, unless the request's grammar admits
+    nothing else (its answer is complete: the grammar wins); bad words: a one-token word
+    always, a longer one's last token when the output ends with the rest of it."""
+    p = state.sampling_params
+    banned = []
+    if state.num_output_tokens < p.min_tokens:
+        stops = ([] if eos_token_id is None or p.ignore_eos else [eos_token_id]) + p.stop_token_ids
+        if grammar_mask is None or _allows_other_than(grammar_mask, stops):
+            banned += stops
+    n_prompt, n_tokens = state.num_prompt_tokens, int(batch.num_tokens[row])
+    for word in p.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= n_tokens - n_prompt and (
+                not prefix or batch.token_ids[row, n_tokens - len(prefix) : n_tokens].tolist() == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def _allows_other_than(bitmask_row: torch.Tensor, token_ids: list[int]) -> bool:
+    """Whether a grammar's bitmask row (int32 words) admits a token outside token_ids."""
+    words = bitmask_row.cpu().numpy().view(np.uint32).copy()
+    for t in token_ids:
+        if t // 32 < len(words):
+            words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return bool(words.any())
+
+
+def _penalties(batch: InputBatch, rows: list[int], params: list, vocab: int, dev: torch.device) -> Penalties:
+    rows_np = np.asarray(rows, dtype=np.int64)
+    num_tokens = batch.num_tokens[rows_np]
+    history = torch.from_numpy(batch.token_ids[rows_np, : int(num_tokens.max())]).to(dev)
+    num_prompt = torch.tensor([batch.states[r].num_prompt_tokens for r in rows], device=dev)
+    counts, in_prompt = token_histories(history, num_prompt, torch.from_numpy(num_tokens).to(dev), vocab)
+    return Penalties(
+        repetition=torch.tensor([p.repetition_penalty for p in params], device=dev),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=dev),
+        presence=torch.tensor([p.presence_penalty for p in params], device=dev),
+        output_counts=counts,
+        in_prompt=in_prompt,
+    )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[LogprobsEntry | None]]:
