@@ -1,18 +1,31 @@
 """Compute ops the models call, behind one dispatch point.
 
-`ops.<name>(...)` runs the implementation registered for the device of the first tensor
-argument, falling back to the portable torch implementation. The models only ever call
-`ops`, so a Triton (CUDA) version of an op is added by registering it, without touching
-a model.
+`ops.<name>(...)` runs the implementation of the kernel table in use (an engine's, made
+by `kernel_table` for its device), falling back to the portable torch implementation. The
+models only ever call `ops`, so a Triton (CUDA) version of an op is added by registering
+it, without touching a model.
 """
 
 # From the repository root this folder is also visible as a top-level `kernels`, the name
 # transformers probes for the HF kernel-hub package on import; imported under that name it
 # stays empty, so transformers finds no version there and `import transformers` works.
 if __name__ == "vlmserve.kernels":
-    from vlmserve.kernels.registry import ops, register
+    import os
+
+    from vlmserve.kernels.registry import KernelTable, ops, register, use_kernels
 
     # importing the modules registers their implementations
     from vlmserve.kernels import attention, gdn, linear, norms, rotary, sampling  # noqa: F401
 
-    __all__ = ["ops", "register"]
+    def kernel_table(device_type: str, triton: bool = False) -> KernelTable:
+        """The ops for a device: CUDA runs the Triton kernels; the CPU its C++ ones, or
+        with `triton` the Triton kernels under Triton's interpreter (the GPU path, checked
+        on a machine without one), which has to be on before triton is first imported."""
+        if device_type == "cuda" or triton:
+            if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("the Triton kernels on CPU tensors run in Triton's interpreter: start with "
+                                   "VLMSERVE_USE_TRITON=1 (or TRITON_INTERPRET=1) in the environment")
+            from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # noqa: F401
+        return KernelTable(device_type, triton)
+
+    __all__ = ["ops", "register", "kernel_table", "use_kernels", "KernelTable"]

@@ -1,17 +1,18 @@
 """Op registry: name -> implementations by device type, and the one dispatch point.
 
-`ops.<name>` is the implementation chosen for the device the model runs on: chosen once,
-by `ops.use(device_type)` when a model is built (before that, on first use, for the CPU),
-and then a plain attribute, not a lookup per call. An implementation may need something
-the machine might not have (a C++ compiler for the CPU kernels): it is registered with an
-`available` check, asked once when ops are chosen; the portable torch version runs where
-nothing better is available.
+A `KernelTable` binds every op to its implementation for a device type, once; each
+engine makes its own (`kernel_table` in the package) and runs its model inside
+`use_kernels(table)`, where `ops.<name>` is that table's op. An implementation may need
+something the machine might not have (a C++ compiler for the CPU kernels): it is
+registered with an `available` check, asked once when a table is made; the portable
+torch version runs where nothing better is available.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 PORTABLE = "torch"  # pure torch: runs on any device; the reference for every other impl
@@ -54,35 +55,45 @@ def preference(device_type: str, triton: bool) -> tuple[str, ...]:
     return ("triton", PORTABLE) if triton else (device_type, PORTABLE)
 
 
-class Ops:
-    def __init__(self) -> None:
-        self.device_type: str | None = None
-        self.triton = False
+class KernelTable:
+    """Every op bound to its implementation for one device type (and the Triton switch):
+    plain attributes, looked up once."""
 
-    def use(self, device_type: str, triton: bool = False) -> None:
-        """Binds every op to its implementation for this device type (and the Triton
-        switch)."""
-        if device_type == "cuda" or triton:
-            load_triton_kernels(interpret=device_type != "cuda")
+    def __init__(self, device_type: str, triton: bool = False) -> None:
         self.device_type, self.triton = device_type, triton
         order = preference(device_type, triton)
         for name in _impls:
             setattr(self, name, implementation(name, order))
 
+
+_active: contextvars.ContextVar[KernelTable | None] = contextvars.ContextVar("vlmserve_kernels", default=None)
+_default: list[KernelTable] = []  # the CPU kernels, made on first use outside any engine
+
+
+@contextmanager
+def use_kernels(table: KernelTable) -> Iterator[None]:
+    """The table `ops` calls within (an engine around its model's forward and loading)."""
+    token = _active.set(table)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+class _ActiveOps:
+    """`ops.<name>`: the op of the engine running in this thread (use_kernels), or the CPU
+    kernels outside any engine. Each engine binds its own table, so engines on different
+    kernels share a process without a global switch."""
+
     def __getattr__(self, name: str) -> Callable:
+        table = _active.get()
+        if table is None:
+            if not _default:
+                _default.append(KernelTable("cpu"))
+            table = _default[0]
         if name not in _impls:
             raise AttributeError(f"no op named {name!r}; known: {sorted(_impls)}")
-        self.use("cpu")  # first use before any model was built
-        return getattr(self, name)
+        return getattr(table, name)
 
 
-def load_triton_kernels(interpret: bool) -> None:
-    """Imports (so registers) the Triton kernels. On CPU tensors they run in Triton's
-    interpreter, which has to be on before triton is first imported."""
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton kernels on CPU tensors run in Triton's interpreter: start with "
-                           "VLMSERVE_USE_TRITON=1 (or TRITON_INTERPRET=1) in the environment")
-    from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # noqa: F401
-
-
-ops = Ops()
+ops = _ActiveOps()

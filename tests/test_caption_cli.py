@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -17,7 +16,7 @@ import pytest
 from conftest import make_image, png_bytes
 from media_files import video_bytes
 from vlmserve import LLM, SamplingParams
-from vlmserve.entrypoints.caption import HOLD_AFTER_ROWS_ENV, Row, merge_shards, previous_rows, shard_dir
+from vlmserve.entrypoints.captioner import Row, merge_shards, previous_rows, shard_dir
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +98,24 @@ def written_lines(out: Path) -> list[str]:
 KILL_SETTINGS = ["--batch-size", "2", "--max-tokens", "48", "--ignore-eos"]
 
 
+# `vlmserve caption` with a progress hook that sends a signal to its own process once the
+# given number of rows is written: the run is cut at a known row on a machine of any speed
+INTERRUPTED_AT_ROW = """
+import os, sys
+from vlmserve.entrypoints.caption import run_caption
+from vlmserve.entrypoints.cli import build_parser
+sig, at = int(sys.argv[1]), int(sys.argv[2])
+args = build_parser().parse_args(sys.argv[3:])
+sys.exit(run_caption(args, on_row=lambda row, n: os.kill(os.getpid(), sig) if n == at else None))
+"""
+
+
 def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *extra: str) -> tuple[list[dict], str]:
-    """Starts a run that holds once it has written 15 rows (each Ray worker holds at 15 of
-    its own), sends `sig` once 15 of the 50 rows are written, resumes; returns the rows
-    written before the kill and the resumed run's stderr. The hold, not the clock, sets
-    where the run is cut: the outcome is the same on a machine of any speed."""
+    """Starts a run that sends itself `sig` once it has written 15 of the 50 rows, resumes;
+    returns the rows written before the kill and the resumed run's stderr."""
     cmd = caption_cmd(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra)
-    env = {**os.environ, HOLD_AFTER_ROWS_ENV: "15"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 600
-    while time.time() < deadline and len(written_lines(out)) < 15 and proc.poll() is None:
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read()  # held, not finished
-    proc.send_signal(sig)
-    proc.wait(timeout=120)
+    cmd = [sys.executable, "-c", INTERRUPTED_AT_ROW, str(int(sig)), "15", *cmd[cmd.index("caption"):]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = written_lines(out)
     if extra:  # the run exited: no worker writes any more (checked over a second)
         time.sleep(1)

@@ -55,7 +55,7 @@ def ask(base: str, stream: bool = False):
 
 def test_a_fault_in_the_model_is_a_500_and_the_next_request_works(served):
     engine, base = served
-    model = engine.engine.engine_core.runner.model
+    model = engine._engine.engine_core.runner.model
     forward = model.forward
     model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("simulated fault"))
     try:
@@ -73,7 +73,7 @@ def test_a_fault_in_the_model_is_a_500_and_the_next_request_works(served):
 
 def test_an_engine_that_died_answers_503(served):
     engine, base = served
-    scheduler = engine.engine.engine_core.scheduler
+    scheduler = engine._engine.engine_core.scheduler
     scheduler.schedule = lambda: (_ for _ in ()).throw(RuntimeError("a bug in the scheduler"))  # kills the loop
     with pytest.raises(openai.APIStatusError) as info:
         ask(base)

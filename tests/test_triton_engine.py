@@ -20,17 +20,16 @@ request_of = request  # the helper, under a name pytest's `request` fixture does
 
 @pytest.fixture
 def triton_llm():
-    """Builds engines on the Triton kernels; puts the CPU kernels back for the other tests."""
-    made = []
+    """Builds engines on the Triton kernels (each engine's own kernel table: the CPU
+    kernels stay the default outside it)."""
 
     def make(path, **kwargs):
         llm = LLM(path, dtype="float32", use_triton=True, num_kv_blocks=256, **kwargs)
-        assert ops.paged_attention is paged_attention_triton
-        made.append(llm)
+        assert llm.engine.engine_core.runner.kernels.paged_attention is paged_attention_triton
+        assert ops.paged_attention is not paged_attention_triton
         return llm
 
-    yield make
-    ops.use("cpu")
+    return make
 
 
 def test_qwen2_5_vl_on_triton_kernels(triton_llm, qwen25_path, hf_qwen25):

@@ -31,13 +31,13 @@ def run_ui(args) -> None:
         chat = ChatApp(args.api_base, args.api_key, samples=samples)
         logger.info("UI for %s on http://%s:%d", args.api_base, args.host, args.port)
     else:
+        from vlmserve.engine.args import EngineArgs
         from vlmserve.engine.async_llm import AsyncLLM
-        from vlmserve.entrypoints.cli import engine_args_from
         from vlmserve.engine.model_source import served_name
         from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
 
-        engine = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests)
-        name = args.served_model_name or served_name(args.model, engine.engine.model_path)
+        engine = AsyncLLM(EngineArgs.from_namespace(args), max_pending_requests=args.max_pending_requests)
+        name = args.served_model_name or served_name(args.model, engine.model_path)
         # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
         # or without; the UI's own calls go through it like any client's
         app = OpenAIServer(engine, name, api_key=args.api_key).build_app()

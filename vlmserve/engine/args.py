@@ -122,6 +122,11 @@ class EngineArgs:
                              max_schema_properties=self.max_schema_properties, max_regex_chars=self.max_regex_chars)
 
     @classmethod
+    def from_namespace(cls, args: Any) -> EngineArgs:
+        """From parsed command-line flags (every field is one: entrypoints/cli.py)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = set(kwargs) - known

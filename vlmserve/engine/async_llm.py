@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine, ProcessedRequest
+from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -40,8 +42,11 @@ LARGE_PROMPT_CHARS = 100_000
 
 
 class AsyncLLM:
+    """An engine stepping in a thread of its own behind asyncio code: the EngineClient
+    (engine/protocol.py) of a server with the engine in its process."""
+
     def __init__(self, args: EngineArgs, max_pending_requests: int = 512) -> None:
-        self.engine = LLMEngine(args)
+        self._engine = LLMEngine(args)
         self.max_pending = max_pending_requests
         self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-large-prompt")
@@ -57,11 +62,35 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
         self.death_listeners: list[Callable[[BaseException], None]] = []  # e.g. the server exits
-        self.stats = self.engine.stats()  # refreshed by the engine thread, read by /metrics
+        self.stats = self._engine.stats()  # refreshed by the engine thread, read by /metrics
+        self.metrics = EngineMetrics(lambda: self.stats)
+        self.step_listeners.append(self.metrics.on_step)
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
         self._thread.start()
 
-    # -- public API ------------------------------------------------------------------------
+    # -- what the entry points need of the model (engine/protocol.py) -------------------------
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def model_path(self) -> str:
+        return self._engine.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self._engine.sampling_defaults
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
+        return self._engine.render_chat(messages, add_generation_prompt, chat_template_kwargs, tools)
+
+    # -- requests ------------------------------------------------------------------------------
     async def generate(
         self,
         request_id: str,
@@ -78,7 +107,7 @@ class AsyncLLM:
         self._check_alive()
         # a request that can never run is refused before it is counted (cheap checks only:
         # the grammar compiles in worker processes, media are processed in the pool)
-        params = self.engine.check_params(params)
+        params = self._engine.check_params(params)
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -91,10 +120,10 @@ class AsyncLLM:
             self._streams[request_id] = (loop, out_queue, params.n)
         finished = False
         try:
-            grammar = self.engine.compile_grammar(params)
+            grammar = self._engine.compile_grammar(params)
             pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
             processed: ProcessedRequest = await loop.run_in_executor(
-                pool, self.engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time()
+                pool, self._engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time()
             )
             if grammar is not None:
                 # shielded: the compile is shared with every request of the same spec, and
@@ -147,7 +176,7 @@ class AsyncLLM:
         self._thread.join(timeout=10)
         for pool in (self.pool, self.large_pool):
             pool.shutdown(wait=False, cancel_futures=True)
-        self.engine.shutdown()
+        self._engine.shutdown()
 
     # -- engine thread ------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -155,7 +184,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine stopped: {self._error!r}")
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while not self._stop.is_set():
                 # block for work only when idle; otherwise just drain what arrived
@@ -209,7 +238,7 @@ class AsyncLLM:
                 return
 
     def _execute(self, kind: str, payload: Any) -> None:
-        engine = self.engine
+        engine = self._engine
         if kind == "add":
             if payload.request_id not in self._streams:
                 return  # the client left while its media was being processed

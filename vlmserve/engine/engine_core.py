@@ -16,6 +16,7 @@ from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for
 from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from vlmserve.engine.args import EngineArgs
 from vlmserve.errors import ConfigError
+from vlmserve.kernels import kernel_table
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.engine.model_source import draft_checkpoint
@@ -133,15 +134,16 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     draft_path = None
     if speculative and speculative.method == "draft_model":
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
-    model, hf_config = load_model(model_path, args.dtype, args.device, args.pack_weights, args.use_triton)
+    kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
+    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     draft_model, draft_groups = None, []
     if speculative:
         logger.info("speculative decoding: %s", speculative)
         if draft_path:
-            draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, args.device, args.pack_weights,
-                                                         args.use_triton, args.block_size)
+            draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, kernels, args.device,
+                                                         args.pack_weights, args.block_size)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
     kv_config = kv_cache_config(args, groups, num_drafts, draft_groups)
@@ -162,8 +164,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         max_chunk_tokens=max_chunk_tokens,
     )
     timer = timer or PhaseTimer(args.time_steps)
-    runner = ModelRunner(model, kv_config, sched_config, eos_token_id, args.device, args.seed, timer, speculative,
-                         draft_model)
+    runner = ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device, args.seed, timer,
+                         speculative, draft_model)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)

@@ -22,14 +22,7 @@ from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 from vlmserve.multimodal.media import modality_of
-from vlmserve.entrypoints.caption import (
-    HOLD_AFTER_ROWS_ENV,
-    CaptionJob,
-    Row,
-    copy_row,
-    shard_dir,
-    write_row,
-)
+from vlmserve.entrypoints.captioner import CaptionJob, Row, copy_row, shard_dir, write_row
 
 # per-batch engine counters an actor sends back with its rows (on the batch's first row)
 COUNTERS = ("encoder_cache_hits", "prefix_cached_tokens")
@@ -58,7 +51,7 @@ class CaptionActor:
         import uuid
 
         from vlmserve.engine.llm_engine import LLMEngine
-        from vlmserve.entrypoints.caption import Captioner
+        from vlmserve.entrypoints.captioner import Captioner
 
         self.engine = LLMEngine(engine_args)
         self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency)
@@ -137,12 +130,10 @@ def _init_ray(address: str, workers: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        hold = os.environ.get(HOLD_AFTER_ROWS_ENV)
-        runtime_env = {"env_vars": {HOLD_AFTER_ROWS_ENV: hold}} if hold else None
         if address == "local":
-            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+            ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+            ray.init(address=address, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 

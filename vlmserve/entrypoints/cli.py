@@ -98,10 +98,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=_PARSERS.get(base, base), default=default, help=shown)
 
 
-def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)})
-
-
 def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     """The HTTP server's flags (serve, and ui with the engine in-process)."""
     h = p.add_argument_group("http")

@@ -28,6 +28,7 @@ from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCac
                                          SlidingWindowSpec, group_layers)
 from vlmserve.core.sched_output import SchedulerOutput
 from vlmserve.errors import ConfigError
+from vlmserve.kernels import KernelTable
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.spec_decode.proposer import Proposer
@@ -36,11 +37,11 @@ from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
-def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.dtype, device: str,
-                     pack_weights: bool, use_triton: bool, block_size: int) -> tuple[torch.nn.Module, list[KVCacheGroup]]:
+def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.dtype, kernels: KernelTable,
+                     device: str, pack_weights: bool, block_size: int) -> tuple[torch.nn.Module, list[KVCacheGroup]]:
     """The draft model in the target's dtype, and its layers' KV cache groups (for the
     memory budget). ConfigError if its layers cannot live in the target's memory."""
-    model, _ = load_model(path, dtype, device, pack_weights, use_triton)
+    model, _ = load_model(path, dtype, kernels, device, pack_weights)
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     has_recurrent = any(isinstance(g.spec, MambaSpec) for g in groups)
     if has_recurrent and not any(isinstance(g.spec, MambaSpec) for g in target_groups):

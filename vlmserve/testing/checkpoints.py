@@ -10,15 +10,7 @@ from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
+from vlmserve.models.qwen_chat import SPECIAL_TOKENS, build_tokenizer, qwen_chat_template, save_generation_config
 
 @dataclass(frozen=True)
 class Experts:
@@ -41,88 +33,14 @@ class Experts:
         return out
 
 
-def qwen_chat_template(video: str = "<|vision_start|><|video_pad|><|vision_end|>") -> str:
-    """Qwen-style: <|im_start|>role\n...<|im_end|>\n; a picture is
-    <|vision_start|><|image_pad|><|vision_end|>, a video the given markup (Qwen3-style
-    processors expand a bare <|video_pad|> into timestamped frame groups themselves).
-    Tools as Qwen3's template writes them: listed in a system block, an assistant's calls
-    as <tool_call> JSON blocks, a tool's result as a <tool_response> in a user turn."""
-    return (
-        "{%- if tools %}"
-        "{{- '<|im_start|>system\n' }}"
-        "{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
-        "{{- messages[0]['content'] + '\n\n' }}"
-        "{%- endif %}"
-        "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
-        "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
-        "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
-        "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
-        "{%- endif %}"
-        "{%- for message in messages %}"
-        "{%- if tools and loop.first and message['role'] == 'system' and message['content'] is string %}"
-        "{%- elif message['role'] == 'tool' %}"
-        "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
-        "{%- else %}"
-        "{{- '<|im_start|>' + message['role'] + '\n' }}"
-        "{%- if message['content'] is string %}"
-        "{{- message['content'] }}"
-        "{%- else %}"
-        "{%- for part in message['content'] %}"
-        "{%- if part['type'] == 'image' or part['type'] == 'image_url' %}"
-        "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-        "{%- elif part['type'] == 'video' or part['type'] == 'video_url' %}"
-        "{{- '" + video + "' }}"
-        "{%- elif part['type'] == 'text' %}"
-        "{{- part['text'] }}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- endif %}"
-        "{%- for call in message.get('tool_calls') or [] %}"
-        "{%- if loop.first and message['content'] %}{{- '\n' }}{%- endif %}"
-        "{%- if not loop.first %}{{- '\n' }}{%- endif %}"
-        "{{- '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
-        "+ (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
-        "{%- endfor %}"
-        "{{- '<|im_end|>\n' }}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}"
-        "{{- '<|im_start|>assistant\n' }}"
-        "{%- endif %}"
-    )
-
-
 CHAT_TEMPLATE = qwen_chat_template()
 
-_DEFAULT_CORPUS = [
+DEFAULT_CORPUS = [
     "Describe the image. What is in this picture? How many shapes are there?",
     "a small red circle in the top left and a large blue square in the center.",
     "The quick brown fox jumps over the lazy dog. Hello world, this is a test.",
     "system user assistant You are a helpful assistant. Answer the question.",
 ]
-
-
-def build_tokenizer(corpus: list[str] | None = None, vocab_size: int = 512,
-                    special_tokens: list[str] = SPECIAL_TOKENS, **named_tokens):
-    """A byte-level BPE tokenizer (any text encodes) with a family's special tokens (Qwen's
-    by default) and their roles (eos_token=..., extra_special_tokens=...)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((corpus or _DEFAULT_CORPUS) * 4, trainer)
-    roles = named_tokens or dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
 
 
 def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
@@ -139,14 +57,6 @@ def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> 
             else:
                 fan_in = p[0].numel()
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / fan_in**0.5)
-
-
-def save_generation_config(path: Path, tokenizer, **extra) -> None:
-    from transformers import GenerationConfig
-
-    GenerationConfig(eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                     pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), do_sample=False,
-                     **extra).save_pretrained(str(path))
 
 
 def save_qwen2_family(path: Path, model_cls: type, processor_cls: type, config, tokenizer, seed: int,
@@ -176,7 +86,7 @@ def new_checkpoint(path: str | Path, corpus: list[str] | None, vocab_size: int) 
     """The checkpoint's folder, its tokenizer, and the ids of the special tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(corpus, vocab_size)
+    tokenizer = build_tokenizer(corpus or DEFAULT_CORPUS, vocab_size)
     return path, tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
 
@@ -550,7 +460,7 @@ def build_gemma3(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(
-        corpus, vocab_size, GEMMA_SPECIAL_TOKENS, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        corpus or DEFAULT_CORPUS, vocab_size, GEMMA_SPECIAL_TOKENS, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # single tokens in Gemma's vocabulary (vLLM relies on it)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from vlmserve.testing.checkpoints import SPECIAL_TOKENS, qwen_chat_template, save_generation_config
+from vlmserve.models.qwen_chat import SPECIAL_TOKENS, qwen_chat_template, save_generation_config
+from vlmserve.models.qwen_chat import build_tokenizer as byte_level_bpe
 from vlmserve.training import shapes
 
 # Qwen-style chat; a video is a bare <|video_pad|>, which the processor expands into
@@ -91,8 +92,6 @@ def tokenizer_corpus(n_scenes: int = 3000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer():
-    from vlmserve.testing.checkpoints import build_tokenizer as byte_level_bpe
-
     return byte_level_bpe(tokenizer_corpus(), vocab_size=640)
 
 

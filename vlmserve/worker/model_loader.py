@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from vlmserve.kernels import ops
+from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Linear
 from vlmserve.models.weights import iter_safetensors
@@ -108,22 +108,24 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
 
 
 def load_model(
-    model_path: str | Path, dtype: str | torch.dtype, device: str = "cpu", pack_weights: bool = True,
-    use_triton: bool = False,
+    model_path: str | Path, dtype: str | torch.dtype, kernels: KernelTable, device: str = "cpu",
+    pack_weights: bool = True,
 ) -> tuple[nn.Module, object]:
+    """The model in dtype on the device, its weights packed for `kernels` (the engine's
+    kernel table), and its HF config."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, hf_config, device)
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
-    ops.use(torch.device(device).type, triton=use_triton)  # the kernels for this device, chosen once
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
     model.load_weights(iter_safetensors(model_path))
     model = model.to(device=device).eval()  # params were created in dtype; fp32 buffers stay fp32
     model.requires_grad_(False)
     if pack_weights:
-        packed = pack_linear_weights(model)
+        with use_kernels(kernels):
+            packed = pack_linear_weights(model)
         logger.debug("packed linear weights: %.1f MB", packed / 1e6)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(

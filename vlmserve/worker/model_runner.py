@@ -10,6 +10,7 @@ import torch
 from vlmserve.config import SchedulerConfig, SpeculativeConfig
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.spec_decode.draft_model import DraftModelProposer
@@ -27,6 +28,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
+        kernels: KernelTable,
         kv_cache_config: KVCacheConfig,
         scheduler_config: SchedulerConfig,
         eos_token_id: int | None,
@@ -37,6 +39,7 @@ class ModelRunner:
         draft_model: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
+        self.kernels = kernels  # every op the model calls in this runner's steps
         self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
         self.kv_cache_config = kv_cache_config
@@ -106,6 +109,10 @@ class ModelRunner:
     # -- the step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        with use_kernels(self.kernels):
+            return self._execute(so, grammar)
+
+    def _execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         timer = self.timer
         with timer.phase("runner: inputs"):
             self._update_states(so)

@@ -22,12 +22,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve import __version__
+from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.model_source import served_name
+from vlmserve.engine.protocol import EngineClient
 from vlmserve.entrypoints.openai import tool_calls
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, SamplingRequest
-from vlmserve.metrics import CONTENT_TYPE, EngineMetrics
+from vlmserve.metrics import CONTENT_TYPE
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import ParamError
 
@@ -41,18 +43,12 @@ class ClientGone(Exception):
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None, metrics=None) -> None:
-        """engine: an AsyncLLM, or what stands for one (replicas.ReplicaPool: the same
-        generate/health/abort/shutdown, and an `engine` with LLMEngine's front-end members);
-        metrics: what /metrics renders (by default, this engine's own series)."""
+    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None) -> None:
+        """engine: an AsyncLLM, or replicas on Ray Serve (replicas.ReplicaPool)."""
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
-        self.tokenizer = engine.engine.tokenizer
-        if metrics is None:
-            metrics = EngineMetrics(lambda: engine.stats)
-            engine.step_listeners.append(metrics.on_step)
-        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
         self.created = int(time.time())
 
     # -- app -------------------------------------------------------------------------------------
@@ -131,12 +127,12 @@ class OpenAIServer:
         return {"status": "ok"}
 
     async def metrics_endpoint(self):
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "vlmserve",
-            "max_model_len": self.engine.engine.max_model_len,
+            "max_model_len": self.engine.max_model_len,
         }]}
 
     # -- shared request handling ---------------------------------------------------------------------
@@ -147,7 +143,7 @@ class OpenAIServer:
 
     def _params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, default_max: int | None):
         try:
-            return req.sampling_params(max_tokens, logprobs, default_max, self.engine.engine.sampling_defaults)
+            return req.sampling_params(max_tokens, logprobs, default_max, self.engine.sampling_defaults)
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
 
@@ -272,7 +268,7 @@ class OpenAIServer:
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
         try:
-            prompt = self.engine.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+            prompt = self.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                                                     tools)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
@@ -388,7 +384,7 @@ def _output_error(out: RequestOutput) -> OpenAIError:
     return OpenAIError(503 if message == SHUTDOWN_ERROR else 500, message)
 
 
-def serve_engine_app(engine: AsyncLLM, app: FastAPI, args) -> None:
+def serve_engine_app(engine: EngineClient, app: FastAPI, args) -> None:
     """Serves `app` (the API, or the UI with the API) until Ctrl-C / SIGTERM; exits
     non-zero if the engine dies, so that a supervisor restarts the process."""
     from vlmserve.entrypoints.http import HTTPLimits, make_server
@@ -414,16 +410,14 @@ def serve_engine_app(engine: AsyncLLM, app: FastAPI, args) -> None:
 def run_server(args) -> None:
     """`vlmserve serve`: builds the engine (or, with --replicas, the replicas on Ray
     Serve), then serves until Ctrl-C / SIGTERM."""
-    from vlmserve.entrypoints.cli import engine_args_from
-
+    engine_args = EngineArgs.from_namespace(args)
     if args.replicas or args.max_replicas:
-        from vlmserve.entrypoints.openai.replicas import ReplicaMetrics, start_replicas
+        from vlmserve.entrypoints.openai.replicas import start_replicas
 
-        engine = start_replicas(args, engine_args_from(args))
-        metrics = ReplicaMetrics(engine)
+        engine: EngineClient = start_replicas(args, engine_args)
     else:
-        engine, metrics = AsyncLLM(engine_args_from(args), max_pending_requests=args.max_pending_requests), None
-    name = args.served_model_name or served_name(args.model, engine.engine.model_path)
-    server = OpenAIServer(engine, name, api_key=args.api_key, metrics=metrics)
+        engine = AsyncLLM(engine_args, max_pending_requests=args.max_pending_requests)
+    name = args.served_model_name or served_name(args.model, engine.model_path)
+    server = OpenAIServer(engine, name, api_key=args.api_key)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args)

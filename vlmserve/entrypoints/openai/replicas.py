@@ -42,7 +42,7 @@ from vlmserve.engine.input_processor import MODALITIES, PromptInput
 from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.entrypoints.openai.affinity_router import KEYS_KWARG, PICTURE_KEY, PictureAffinityRouter
 from vlmserve.entrypoints.openai.routing_stats import ROUTING
-from vlmserve.metrics import PREFIX, EngineMetrics
+from vlmserve.metrics import PREFIX
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import normalize_settings
@@ -104,9 +104,6 @@ class ReplicaHub:
         self.reports[replica] = (time.time(), text)
         return self.posted, [rid for rid, (n, _) in self.given_up.items() if n > seen]
 
-    def forget(self, replica: str) -> None:
-        self.reports.pop(replica, None)
-
     def all(self) -> dict[str, tuple[float, str]]:
         return dict(self.reports)
 
@@ -119,8 +116,6 @@ class EngineReplica:
 
         torch.set_num_threads(max(1, threads))
         self.engine = AsyncLLM(engine_args, max_pending_requests=max_pending_requests)
-        self.metrics = EngineMetrics(lambda: self.engine.stats)
-        self.engine.step_listeners.append(self.metrics.on_step)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.hub = ray.get_actor(HUB, namespace=APP)
         self.given_up: dict[str, float] = {}  # request id -> when the ingress gave up on it
@@ -130,7 +125,7 @@ class EngineReplica:
         seen = 0
         while True:
             try:
-                seen, given_up = await self.hub.report.remote(self.name, self.metrics.render().decode(), seen)
+                seen, given_up = await self.hub.report.remote(self.name, self.engine.metrics.render().decode(), seen)
                 self._give_up(given_up)
             except Exception:  # the hub is gone: the server is stopping
                 logger.debug("metrics push failed", exc_info=True)
@@ -164,7 +159,7 @@ class EngineReplica:
             await outputs.aclose()
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.engine.max_model_len}
+        return {"max_model_len": self.engine.max_model_len}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine stopped."""
@@ -178,31 +173,16 @@ class EngineReplica:
 
 # ----------------------------------------------------------------------------- ingress
 @dataclass
-class ChatFront:
-    """What the OpenAI server needs of an engine's front end, without a model: the
-    tokenizer (logprob tokens), the chat template, the context length, the checkpoint's
-    sampling defaults (the members an LLMEngine has under the same names)."""
-
-    hf_processor: Any
-    max_model_len: int
-    sampling_defaults: dict[str, Any]
-    model_path: str
-
-    @property
-    def tokenizer(self):
-        return self.hf_processor.tokenizer
-
-    def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None) -> PromptInput:
-        return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools)
-
-
-@dataclass
 class ReplicaPool:
-    """The engine as the OpenAI server sees it (generate, health, abort, shutdown),
-    over a Ray Serve handle to the replicas."""
+    """The engine as the OpenAI server sees it (engine/protocol.py's EngineClient), over a
+    Ray Serve handle to the replicas. It renders chats itself (the checkpoint's processor,
+    no model), so that it can hash the pictures for the router."""
 
     handle: Any
-    engine: ChatFront
+    hf_processor: Any
+    model_path: str
+    max_model_len: int
+    sampling_defaults: dict[str, Any]
     loader: MediaLoader
     default_mm_kwargs: dict[str, Any]
     hub: Any
@@ -211,6 +191,16 @@ class ReplicaPool:
     death_listeners: list = field(default_factory=list)  # (replicas are restarted, never the pool)
     in_flight: dict[str, Any] = field(default_factory=dict)  # request id -> its response stream
     shutdown_error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ReplicaMetrics(self)
+
+    @property
+    def tokenizer(self):
+        return self.hf_processor.tokenizer
+
+    def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None) -> PromptInput:
+        return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools)
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -253,6 +243,12 @@ class ReplicaPool:
             return bool(self.healthy_replicas())
         except Exception:
             return False
+
+    def abort(self, request_id: str) -> None:
+        stream = self.in_flight.get(request_id)
+        if stream is not None:
+            stream.cancel()
+            self.hub.give_up.remote(request_id)
 
     def abort_all(self, error: str) -> None:
         self.shutdown_error = error
@@ -355,10 +351,10 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
     from transformers import AutoProcessor
 
     info = handle.info.remote().result()
-    front = ChatFront(AutoProcessor.from_pretrained(model_path), info["max_model_len"],
-                      sampling_defaults(model_path) if engine_args.generation_config == "auto" else {}, model_path)
-    pool = ReplicaPool(handle, front, MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs),
-                       hub, started, joined_cluster=args.ray_address is not None)
+    defaults = sampling_defaults(model_path) if engine_args.generation_config == "auto" else {}
+    pool = ReplicaPool(handle, AutoProcessor.from_pretrained(model_path), model_path, info["max_model_len"], defaults,
+                       MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs), hub, started,
+                       joined_cluster=args.ray_address is not None)
     deadline = time.time() + 60
     while not pool.is_alive() and time.time() < deadline:  # the first metrics push
         time.sleep(0.2)

@@ -1,0 +1,47 @@
+"""What the entry points (the OpenAI server, the chat UI) need of an engine: one small
+interface that an engine in this process (`AsyncLLM`) and replicas on Ray Serve
+(`replicas.ReplicaPool`) both implement, so a server never reaches inside either."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from vlmserve.engine.input_processor import PromptInput
+from vlmserve.outputs import RequestOutput
+from vlmserve.sampling_params import SamplingParams
+
+
+class MetricsSource(Protocol):
+    def render(self) -> bytes:
+        """The Prometheus text of /metrics."""
+
+
+class EngineClient(Protocol):
+    model_path: str  # the checkpoint folder
+    max_model_len: int  # the context length
+    sampling_defaults: dict[str, Any]  # the checkpoint's generation_config.json settings (unless turned off)
+    metrics: MetricsSource
+    death_listeners: list[Callable[[BaseException], None]]  # called if the engine stops for good
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
+        """Chat messages (and tools) as a prompt, by the checkpoint's template."""
+
+    def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they improve (the last one finished); ValueError (or
+        ParamError) for bad input before the first; closing the iterator aborts it."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def abort_all(self, error: str) -> None:
+        """Ends every request in flight with this error (a shutdown's drain deadline)."""
+
+    def is_alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
