@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import ops
-from vlmserve.kernels.attention import AttentionMetadata
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -146,7 +145,9 @@ def _section_slices(sections: list[int]) -> list[slice]:
 
 
 class PagedAttention(nn.Module):
-    """Causal self-attention of one decoder layer over its KV cache group."""
+    """Causal self-attention of one decoder layer over its KV cache group: q, k, v from one
+    fused projection, the rotary on q and k, attention over the paged cache, the output
+    projection (Qwen2's, as released; the families that differ override `rotate`)."""
 
     def __init__(
         self,
@@ -172,34 +173,36 @@ class PagedAttention(nn.Module):
         self.qkv_proj = FusedLinear(hidden, [q_out, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        n = q.shape[0]
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotate(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                           cos, sin)
+        return self.o_proj(self.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), ctx))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], rotated."""
+        return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+        """Writes k and v into this layer's cache and attends over it: [tokens, q_size]."""
+        kv_cache, meta = ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]
         out = ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return out.reshape(n, self.q_size)
+        return out.reshape(q.shape[0], self.q_size)
 
 
 class QKNormAttention(PagedAttention):
     """Attention with a norm over each head's queries and keys before the rotary (Qwen3's
     RMSNorm; Gemma 3's zero-centred one, with its own query scale)."""
 
-    def __init__(self, cfg, layer_id: int, norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None) -> None:
+    def __init__(self, cfg, layer_id: int, norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None,
+                 query_gate: bool = False) -> None:
         super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
+                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, query_gate=query_gate)
         self.scale = scale or self.scale
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        n = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]))
+    def rotate(self, q, k, cos, sin):
+        return ops.apply_rotary(self.q_norm(q), cos, sin), ops.apply_rotary(self.k_norm(k), cos, sin)

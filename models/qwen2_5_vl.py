@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from vlmserve.kernels import ops
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
@@ -91,16 +90,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
-        attn = self.self_attn
-        h = self.input_layernorm(x)
-        q, k, v = attn.qkv_proj(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        n = x.shape[0]
-        q = ops.apply_rotary(q.view(n, attn.num_heads, attn.head_dim), cos, sin)
-        k = ops.apply_rotary(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)
-        v = v.view(n, attn.num_kv_heads, attn.head_dim)
-        lid = attn.layer_id
-        o = attn.attend(q, k, v, ctx.kv_caches[lid], ctx.attn_metadata[lid])
-        x = x + attn.o_proj(o)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -21,7 +21,7 @@ from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (
     FusedLinear,
     Linear,
-    PagedAttention,
+    QKNormAttention,
     ZeroCenteredRMSNorm,
     mrope_positions,
 )
@@ -31,25 +31,20 @@ from vlmserve.multimodal.inputs import MultiModalFeature
 
 
 # ----------------------------------------------------------------------------- text
-class GatedAttention(PagedAttention):
-    """Full attention with per-head q/k RMSNorm, partial rotary and a sigmoid output gate."""
+class GatedAttention(QKNormAttention):
+    """Full attention with per-head q/k norms (zero-centred), partial rotary and a sigmoid
+    output gate."""
 
     def __init__(self, cfg, layer_id: int) -> None:
-        head_dim = cfg.head_dim
-        super().__init__(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
-                         qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, query_gate=True)
-        self.q_norm = ZeroCenteredRMSNorm(head_dim, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(head_dim, cfg.rms_norm_eps)
+        super().__init__(cfg, layer_id, ZeroCenteredRMSNorm, query_gate=True)
 
     def forward(self, h, cos, sin, ctx: ForwardContext):
         n = h.shape[0]
         qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         # per head: [query | gate]
         q, gate = qg.view(n, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
-        q = ops.apply_rotary(self.q_norm(q), cos, sin)
-        k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        o = self.attend(q, k, v, ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id])
+        q, k = self.rotate(q, k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        o = self.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), ctx)
         return self.o_proj(o * torch.sigmoid(gate.reshape(n, self.q_size)))
 
 
