@@ -20,6 +20,18 @@ BLOCK_M = 16  # query tokens per program
 
 
 @triton.jit
+def _load_kv_block(k_ptr, v_ptr, dims, dim_ok, offsets, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """One cache block's keys (transposed, [D, BS]) and values ([BS, D]) of one head, in fp32."""
+    # keys [D / 2, BS, 2]: channel d of token t at (d // 2) * 2 * BS + 2 * t + d % 2
+    k_off = (dims[:, None] // 2) * (2 * BLOCK_SIZE) + 2 * offsets[None, :] + dims[:, None] % 2
+    keys_t = tl.load(k_ptr + k_off, mask=dim_ok[:, None], other=0.0).to(tl.float32)
+    # values [BS / 2, D, 2]: token t, channel d at (t // 2) * 2 * D + 2 * d + t % 2
+    v_off = (offsets[:, None] // 2) * (2 * HEAD_DIM) + 2 * dims[None, :] + offsets[:, None] % 2
+    values = tl.load(v_ptr + v_off, mask=dim_ok[None, :], other=0.0).to(tl.float32)
+    return keys_t, values
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, key_ends_ptr,
     scale, window, bt_stride, num_q_heads, num_kv_heads,
@@ -61,12 +73,8 @@ def _paged_attention_kernel(
     for b in range(lo // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
         block = tl.load(block_tables_ptr + seq * bt_stride + b).to(tl.int64)
         base = (block * num_kv_heads + kv_head) * HEAD_DIM * BLOCK_SIZE
-        # keys [D / 2, BS, 2]: channel d of token t at (d // 2) * 2 * BS + 2 * t + d % 2
-        k_off = (dims[:, None] // 2) * (2 * BLOCK_SIZE) + 2 * offsets[None, :] + dims[:, None] % 2
-        keys_t = tl.load(k_cache_ptr + base + k_off, mask=dim_ok[:, None], other=0.0).to(tl.float32)  # [D, BS]
-        # values [BS / 2, D, 2]: token t, channel d at (t // 2) * 2 * D + 2 * d + t % 2
-        v_off = (offsets[:, None] // 2) * (2 * HEAD_DIM) + 2 * dims[None, :] + offsets[:, None] % 2
-        values = tl.load(v_cache_ptr + base + v_off, mask=dim_ok[None, :], other=0.0).to(tl.float32)  # [BS, D]
+        keys_t, values = _load_kv_block(k_cache_ptr + base, v_cache_ptr + base, dims, dim_ok, offsets, HEAD_DIM,
+                                        BLOCK_SIZE)
         scores = tl.dot(q, keys_t) * scale  # [M, BS]
         key_pos = b * BLOCK_SIZE + offsets
         visible = (key_pos[None, :] <= key_end[:, None]) & row_ok[:, None]

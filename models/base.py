@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,11 +20,11 @@ class MRoPEDecoder(nn.Module):
     """Embeddings, decoder layers, final norm; cos/sin of the M-RoPE positions are made
     once per step and shared by every layer."""
 
-    def __init__(self, cfg, layer_cls: type[nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
+    def __init__(self, cfg, make_layer: Callable[[Any, int], nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
                  default_section: list[int], default_theta: float, interleaved: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([layer_cls(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([make_layer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         rope = cfg.rope_parameters or {}
         self.mrope_section = list(rope.get("mrope_section", default_section))

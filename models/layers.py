@@ -206,3 +206,19 @@ class QKNormAttention(PagedAttention):
 
     def rotate(self, q, k, cos, sin):
         return ops.apply_rotary(self.q_norm(q), cos, sin), ops.apply_rotary(self.k_norm(k), cos, sin)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + feed-forward(norm(x)): the Qwen families' layer
+    (checkpoint names self_attn, mlp, input_layernorm, post_attention_layernorm)."""
+
+    def __init__(self, cfg, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -13,8 +13,8 @@ from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
-from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import GatedMLP, Linear, PagedAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.layers import (GatedMLP, Linear, PagedAttention, PreNormDecoderLayer, RMSNorm, mrope_positions,
+                                    rope_inv_freq)
 from vlmserve.models.vision import PatchMerger, VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
 
@@ -78,26 +78,17 @@ class VisionTransformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- text
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int) -> None:
-        super().__init__()
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.self_attn = PagedAttention(
-            layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, qkv_bias=True
-        )
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, ctx: ForwardContext):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def decoder_layer(cfg, layer_id: int) -> PreNormDecoderLayer:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = PagedAttention(layer_id, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim,
+                          qkv_bias=True)
+    return PreNormDecoderLayer(cfg, attn, GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act))
 
 
 class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        super().__init__(cfg, DecoderLayer, RMSNorm, head_dim, default_section=[16, 24, 24], default_theta=1e6)
+        super().__init__(cfg, decoder_layer, RMSNorm, head_dim, default_section=[16, 24, 24], default_theta=1e6)
 
 
 # ----------------------------------------------------------------------------- model

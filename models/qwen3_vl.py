@@ -17,8 +17,9 @@ from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
-from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import ACTIVATIONS, Linear, QKNormAttention, RMSNorm, mrope_positions, rope_inv_freq
+from vlmserve.models.context import DeepStackInputs
+from vlmserve.models.layers import (ACTIVATIONS, Linear, PreNormDecoderLayer, QKNormAttention, RMSNorm, mrope_positions,
+                                    rope_inv_freq)
 from vlmserve.models.moe import feed_forward
 from vlmserve.models.vision import VisionAttention, VisionBlock, vision_rotary_cos_sin
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -106,22 +107,14 @@ class VisionTransformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- text
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int) -> None:
-        super().__init__()
-        self.self_attn = QKNormAttention(cfg, layer_id)  # Qwen3's: RMSNorm over each head's q and k
-        self.mlp = feed_forward(cfg, layer_id)  # dense, or experts (Qwen3-VL-MoE)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, ctx: ForwardContext):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def decoder_layer(cfg, layer_id: int) -> PreNormDecoderLayer:
+    # Qwen3's attention: RMSNorm over each head's q and k; dense, or experts (Qwen3-VL-MoE)
+    return PreNormDecoderLayer(cfg, QKNormAttention(cfg, layer_id), feed_forward(cfg, layer_id))
 
 
 class TextModel(MRoPEDecoder):
     def __init__(self, cfg) -> None:
-        super().__init__(cfg, DecoderLayer, RMSNorm, cfg.head_dim, default_section=[24, 20, 20], default_theta=5e6,
+        super().__init__(cfg, decoder_layer, RMSNorm, cfg.head_dim, default_section=[24, 20, 20], default_theta=5e6,
                          interleaved=True)
 
 

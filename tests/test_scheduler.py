@@ -26,7 +26,7 @@ def make_scheduler(num_blocks=64, budget=32, max_seqs=8, window=None, enc_budget
         specs[1] = SlidingWindowSpec(BS, 1, 4, torch.float32, sliding_window=window)
     config = KVCacheConfig(num_blocks, group_layers(specs))
     sched_config = SchedulerConfig(
-        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
         encoder_compute_budget=enc_budget, encoder_cache_size=enc_cache,
     )
     return Scheduler(sched_config, KVCacheManager(config, max_len), EncoderCacheManager(enc_cache))

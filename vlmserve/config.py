@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 64  # requests running at once
-    max_model_len: int = 4096  # prompt + output tokens of one request
-    enable_chunked_prefill: bool = True
+    """The scheduler's share of the engine's settings (EngineArgs holds their defaults),
+    with what the engine core derived from them (the context that fits, chunk caps)."""
+
+    max_num_batched_tokens: int  # token budget of one step
+    max_num_seqs: int  # requests running at once
+    max_model_len: int  # prompt + output tokens of one request
+    enable_chunked_prefill: bool
     # encoder budget of one step, and encoder cache capacity, in embedding tokens
-    encoder_compute_budget: int = 8192
-    encoder_cache_size: int = 16384
+    encoder_compute_budget: int
+    encoder_cache_size: int
     # speculative decoding: drafts are checked only while at most this many requests run
     # (None: always); above it a step is compute-bound and checking drafts costs more
     max_running_for_drafts: int | None = None

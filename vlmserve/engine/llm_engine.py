@@ -83,23 +83,7 @@ class LLMEngine:
         self.core = core_cls(args, self.model_path, self.eos_token_id, self.timer)
         info = self.core.info
         self.max_model_len = info.max_model_len
-        model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
-        max_media_tokens = min(args.encoder_compute_budget, args.encoder_cache_size)
-        if getattr(model_cls, "bidirectional_media", False):  # a picture's tokens go in one step
-            max_media_tokens = min(max_media_tokens, info.max_chunk_tokens)
-        self.input_processor = InputProcessor(
-            tokenizer=self.tokenizer,
-            mm_processor=self.mm_processor,
-            model_cls=model_cls,
-            hf_config=hf_config,
-            max_model_len=info.max_model_len,
-            eos_token_id=self.eos_token_id,
-            block_hasher=BlockHasher(args.block_size),
-            max_media_tokens=max_media_tokens,
-            block_size=args.block_size,
-            limit_mm_per_prompt=dict(args.limit_mm_per_prompt),
-            default_mm_kwargs=args.mm_processor_kwargs,
-        )
+        self.input_processor = self._input_processor(hf_config, info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_limits = args.grammar_limits()
         self.grammars = GrammarCompiler(lambda: tokenizer_info_of(self.tokenizer, self.vocab_size),
@@ -124,6 +108,26 @@ class LLMEngine:
         self.core.shutdown()
 
     # -- setup helpers -------------------------------------------------------------------
+    def _input_processor(self, hf_config, info) -> InputProcessor:
+        args = self.args
+        model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+        max_media_tokens = min(args.encoder_compute_budget, args.encoder_cache_size)
+        if getattr(model_cls, "bidirectional_media", False):  # a picture's tokens go in one step
+            max_media_tokens = min(max_media_tokens, info.max_chunk_tokens)
+        return InputProcessor(
+            tokenizer=self.tokenizer,
+            mm_processor=self.mm_processor,
+            model_cls=model_cls,
+            hf_config=hf_config,
+            max_model_len=info.max_model_len,
+            eos_token_id=self.eos_token_id,
+            block_hasher=BlockHasher(args.block_size),
+            max_media_tokens=max_media_tokens,
+            block_size=args.block_size,
+            limit_mm_per_prompt=dict(args.limit_mm_per_prompt),
+            default_mm_kwargs=args.mm_processor_kwargs,
+        )
+
     def _eos_token_ids(self, hf_config) -> list[int]:
         gen_path = Path(self.model_path) / "generation_config.json"
         eos = None

@@ -43,6 +43,16 @@ DEFAULT_CORPUS = [
 ]
 
 
+def random_model(model_cls: type, config, seed: int, scale: float = 1.0) -> torch.nn.Module:
+    """A model of the config with random weights (randomize_weights), named as the config
+    says its checkpoints are."""
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    randomize_weights(model, seed, scale=scale)
+    return model
+
+
 def randomize_weights(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
     """Weights with enough spread that greedy choices are not near-ties (HF's default
     init at std 0.02 makes all logits nearly equal in a tiny model)."""
@@ -65,10 +75,7 @@ def save_qwen2_family(path: Path, model_cls: type, processor_cls: type, config, 
     config, the family's processor and the tokenizer."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    randomize_weights(model, seed)
+    model = random_model(model_cls, config, seed)
     model.save_pretrained(str(path))
     save_generation_config(path, tokenizer)
     pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
@@ -233,7 +240,6 @@ def build_qwen3_5(
     """A tiny Qwen3.5: Gated DeltaNet and gated-attention layers (with experts:
     Qwen3.5-MoE), Qwen3-VL vision tower."""
     import transformers
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     family = "Qwen3_5Moe" if experts else "Qwen3_5"
     model_cls = getattr(transformers, f"{family}ForConditionalGeneration")
@@ -242,23 +248,13 @@ def build_qwen3_5(
     config = _qwen3_5_config(len(tokenizer), ids, hidden_size, layer_types, num_heads, num_kv_heads, head_dim,
                              intermediate_size, linear_heads, linear_head_dim, vision_hidden, vision_depth, vision_heads,
                              experts, partial_rotary)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    randomize_weights(model, seed, scale=weight_scale)
+    model = random_model(model_cls, config, seed, weight_scale)
     with torch.no_grad():  # decay rates of a trained model: exp(A_log) in (0, 16)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
     model.save_pretrained(str(path))
-    save_generation_config(path, tokenizer)
-    image_kwargs = {"min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 16, "merge_size": 2}
-    Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**image_kwargs),
-        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2),
-        tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(str(path))
+    save_qwen3_files(path, tokenizer, min_pixels, max_pixels)
     return path
 
 
@@ -290,7 +286,6 @@ def build_qwen3_vl(
     """A tiny Qwen3-VL: Qwen3 decoder (with experts: Qwen3-VL-MoE), vision tower with
     DeepStack levels taken after the given blocks."""
     import transformers
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     family = "Qwen3VLMoe" if experts else "Qwen3VL"
     config_cls = getattr(transformers, f"{family}Config")
@@ -298,33 +293,34 @@ def build_qwen3_vl(
 
     path, tokenizer, ids = new_checkpoint(path, corpus, vocab_size)
     freqs = head_dim // 2
-    section = mrope_section or [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]
-    config = config_cls(
-        text_config=dict(
-            **(experts.text_config() if experts else {}),
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-            head_dim=head_dim, max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_section": section,
-                             "mrope_interleaved": True},
-            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate or 2 * vision_hidden,
-            num_heads=vision_heads, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
-            out_hidden_size=hidden_size, num_position_embeddings=num_position_embeddings,
-            hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=list(deepstack_indexes),
-        ),
-        **media_token_ids(ids),
-        tie_word_embeddings=False,
+    text = dict(
+        **(experts.text_config() if experts else {}),
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, "mrope_interleaved": True,
+                         "mrope_section": mrope_section or [freqs - 2 * (freqs // 3), freqs // 3, freqs // 3]},
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
     )
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    randomize_weights(model, seed, scale=weight_scale)
+    vision = dict(
+        depth=vision_depth, hidden_size=vision_hidden, intermediate_size=vision_intermediate or 2 * vision_hidden,
+        num_heads=vision_heads, patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+        out_hidden_size=hidden_size, num_position_embeddings=num_position_embeddings,
+        hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=list(deepstack_indexes),
+    )
+    config = config_cls(text_config=text, vision_config=vision, **media_token_ids(ids), tie_word_embeddings=False)
+    model = random_model(model_cls, config, seed, weight_scale)
     model.save_pretrained(str(path))
     if experts:
         _experts_as_released(path)
+    save_qwen3_files(path, tokenizer, min_pixels, max_pixels)
+    return path
+
+
+def save_qwen3_files(path: Path, tokenizer, min_pixels: int, max_pixels: int) -> None:
+    """The generation config and the Qwen3-VL processor (Qwen3.5 uses it too)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
     save_generation_config(path, tokenizer)
     Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=16,
@@ -333,7 +329,6 @@ def build_qwen3_vl(
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(str(path))
-    return path
 
 
 def _experts_as_released(path: Path) -> None:
@@ -428,6 +423,26 @@ def gemma_chat_template() -> str:
     )
 
 
+def save_gemma3_files(path: Path, tokenizer, ids: dict[str, int], image_size: int, mm_tokens_per_image: int) -> None:
+    from transformers import Gemma3ImageProcessor, Gemma3Processor, GenerationConfig
+
+    GenerationConfig(eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"],
+                     bos_token_id=ids["<bos>"], do_sample=False).save_pretrained(str(path))
+    Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": image_size, "width": image_size}),
+        tokenizer=tokenizer, chat_template=gemma_chat_template(), image_seq_length=mm_tokens_per_image,
+    ).save_pretrained(str(path))
+
+
+def gemma_tokenizer(corpus: list[str] | None, vocab_size: int):
+    tokenizer = build_tokenizer(
+        corpus or DEFAULT_CORPUS, vocab_size, GEMMA_SPECIAL_TOKENS, bos_token="<bos>", eos_token="<eos>",
+        pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                 "image_token": "<image_soft_token>"})
+    tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # single tokens in Gemma's vocabulary (vLLM relies on it)
+    return tokenizer
+
+
 def build_gemma3(
     path: str | Path,
     *,
@@ -455,52 +470,33 @@ def build_gemma3(
     window (the released models: 6, 1024); SigLIP tower pooled to mm_tokens_per_image.
     Pan-and-scan is set as released: off unless asked for, then with the processor's
     defaults (crops of 256 px or more, for pictures over 1.2:1)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(
-        corpus or DEFAULT_CORPUS, vocab_size, GEMMA_SPECIAL_TOKENS, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"})
-    tokenizer.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # single tokens in Gemma's vocabulary (vLLM relies on it)
+    tokenizer = gemma_tokenizer(corpus, vocab_size)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL_TOKENS}
     layer_types = ["full_attention" if (i + 1) % sliding_pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    config = Gemma3Config(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window, layer_types=layer_types,
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": rope_scaling_factor,
-                                                "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-            max_position_embeddings=4096, eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
-            bos_token_id=ids["<bos>"], pad_token_id=ids["<pad>"],
-        ),
-        vision_config=dict(
-            hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_depth,
-            num_attention_heads=vision_heads, image_size=image_size, patch_size=patch_size, vision_use_head=False,
-        ),
-        mm_tokens_per_image=mm_tokens_per_image,
-        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-        image_token_index=ids["<image_soft_token>"],
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=sliding_window, layer_types=layer_types,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": rope_scaling_factor, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        max_position_embeddings=4096, eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
+        bos_token_id=ids["<bos>"], pad_token_id=ids["<pad>"],
     )
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    randomize_weights(model, seed, scale=weight_scale)
+    vision = dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_hidden_layers=vision_depth,
+                  num_attention_heads=vision_heads, image_size=image_size, patch_size=patch_size, vision_use_head=False)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,
+                          boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                          image_token_index=ids["<image_soft_token>"])
+    model = random_model(Gemma3ForConditionalGeneration, config, seed, weight_scale)
     with torch.no_grad():  # the decoder's and projector's (1 + weight) norms: near zero, as trained ones are
         for name, p in model.named_parameters():
             if "norm" in name and ("language_model" in name or "soft_emb_norm" in name):
                 p.sub_(1.0)
     model.save_pretrained(str(path))
     _rename_weights(path, "vision_tower.", "vision_tower.vision_model.")  # as Google's releases name them
-    from transformers import GenerationConfig
-
-    GenerationConfig(eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"],
-                     bos_token_id=ids["<bos>"], do_sample=False).save_pretrained(str(path))
-    Gemma3Processor(
-        image_processor=Gemma3ImageProcessor(size={"height": image_size, "width": image_size}),
-        tokenizer=tokenizer, chat_template=gemma_chat_template(), image_seq_length=mm_tokens_per_image,
-    ).save_pretrained(str(path))
+    save_gemma3_files(path, tokenizer, ids, image_size, mm_tokens_per_image)
     return path

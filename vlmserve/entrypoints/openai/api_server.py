@@ -262,14 +262,31 @@ class OpenAIServer:
     # -- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check_model(req)
+        prompt, params = self._chat_request(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        first, gen = await self._start(request_id, prompt, params, req, request)
+        if req.stream:
+            base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": self.model_name}
+            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                      "logprobs": None} for c in first.outputs]
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(first, gen, base, include_usage, self._chat_chunker(req), roles),
+                                     media_type="text/event-stream")
+        final = await self._final(first, gen, request)
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [self._chat_choice(req, c) for c in final.outputs], "usage": self._usage(final)}
+
+    def _chat_request(self, req: ChatCompletionRequest) -> tuple[PromptInput, Any]:
+        """The prompt (the chat template's rendering, tools included) and the sampling
+        params (a forced tool call's grammar among them) of a chat request."""
         tools = tool_calls.template_tools(req.tools) if req.uses_tools else None
         try:
             tool_calls.check_tools(req.tools or [])
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
         try:
-            prompt = self.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
-                                                    tools)
+            prompt = self.engine.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         prompt.mm_processor_kwargs = dict(req.mm_processor_kwargs or {})
@@ -282,53 +299,43 @@ class OpenAIServer:
                 raise OpenAIError(400, "a required or named tool_choice cannot be combined with response_format",
                                   param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=forced or params.structured_outputs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await self._start(request_id, prompt, params, req, request)
-        if req.stream:
-            tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+        return prompt, params
 
-            def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
-                logprobs = None
-                if c.logprobs is not None and len(c.token_ids) > new_from:
-                    logprobs = self._chat_logprobs(c.logprobs[new_from:])
-                delta: dict[str, Any] = {"content": text} if text else {}
-                finish_reason = c.finish_reason
-                if req.uses_tools:
-                    stream = tool_streams.setdefault(c.index, tool_calls.ToolCallStream())
-                    first_call = stream.num_calls
-                    content, calls = stream.feed(c.text, final=c.finish_reason is not None)
-                    delta = {"content": content} if content else {}
-                    if calls:
-                        delta["tool_calls"] = [{"index": first_call + k, **call.message()}
-                                               for k, call in enumerate(calls)]
-                    if finish_reason == "stop" and stream.num_calls:
-                        finish_reason = "tool_calls"
-                return {"index": c.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    def _chat_choice(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any]:
+        """A finished choice as a chat message (its tool calls parsed out of the text)."""
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if req.uses_tools:
+            content, calls = tool_calls.parse(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [call.message() for call in calls]}
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": c.index, "message": message, "finish_reason": finish_reason,
+                "logprobs": None if c.logprobs is None else self._chat_logprobs(c.logprobs)}
 
-            base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": self.model_name}
-            roles = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                      "logprobs": None} for c in first.outputs]
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(first, gen, base, include_usage, chunk, roles),
-                                     media_type="text/event-stream")
-        final = await self._final(first, gen, request)
-        choices = []
-        for c in final.outputs:
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    def _chat_chunker(self, req: ChatCompletionRequest) -> Callable[[CompletionOutput, str, int], dict[str, Any]]:
+        """Shapes each streamed chat chunk: new content, or a tool call once its block closes."""
+        tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+
+        def chunk(c: CompletionOutput, text: str, new_from: int) -> dict[str, Any]:
+            logprobs = None
+            if c.logprobs is not None and len(c.token_ids) > new_from:
+                logprobs = self._chat_logprobs(c.logprobs[new_from:])
+            delta: dict[str, Any] = {"content": text} if text else {}
             finish_reason = c.finish_reason
             if req.uses_tools:
-                content, calls = tool_calls.parse(c.text)
+                stream = tool_streams.setdefault(c.index, tool_calls.ToolCallStream())
+                first_call = stream.num_calls
+                content, calls = stream.feed(c.text, final=c.finish_reason is not None)
+                delta = {"content": content} if content else {}
                 if calls:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [call.message() for call in calls]}
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            choice = {"index": c.index, "message": message, "finish_reason": finish_reason, "logprobs": None}
-            if c.logprobs is not None:
-                choice["logprobs"] = self._chat_logprobs(c.logprobs)
-            choices.append(choice)
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(final)}
+                    delta["tool_calls"] = [{"index": first_call + k, **call.message()} for k, call in enumerate(calls)]
+                if finish_reason == "stop" and stream.num_calls:
+                    finish_reason = "tool_calls"
+            return {"index": c.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+
+        return chunk
 
     # -- /v1/completions ------------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request):
