@@ -27,17 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_flags, start_vlmserve  # noqa: E402
 
-
-def optional_properties(n: int) -> dict:
-    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
-
-
-def nested(depth: int) -> dict:
-    schema: dict = {"type": "integer"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
+from vlmserve.testing.schemas import nested, optional_properties  # noqa: E402
 
 WORST = {"10,000 optional properties": optional_properties(10_000), "nested 350 deep": nested(350),
          "512 optional properties": optional_properties(512), "nested 32 deep": nested(32)}

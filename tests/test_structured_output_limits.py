@@ -22,21 +22,11 @@ from vlmserve.structured_output.compiler import GrammarCompiler
 from vlmserve.structured_output.grammar import build_grammar
 from vlmserve.structured_output.manager import tokenizer_info_of
 from vlmserve.structured_output.schema import GrammarLimits, check_spec
+from vlmserve.testing.schemas import nested, optional_properties
 
 
 def spec(**kw) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kw)
-
-
-def optional_properties(n: int) -> dict:
-    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
-
-
-def nested(depth: int) -> dict:
-    schema: dict = {"type": "integer"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
 
 
 # -- limits: a 400 that names the flag, before anything compiles ------------------------------------
