@@ -1,11 +1,22 @@
-"""vlmserve next to its peers: one mixed multimodal workload (`common.peer_workload`: a
-shared system prompt, 0-2 pictures and 8-64 output tokens per request) through vlmserve,
-transformers `generate` (static batches, its best batch size) and vLLM's CPU build, in one
-run on one machine, alternating engines; medians of `--repeats` runs after one warm-up.
+"""vlmserve next to its peers: one workload through vlmserve, transformers `generate`
+(static batches, its best batch size) and vLLM's CPU build, in one run on one machine,
+alternating engines; medians of `--repeats` runs after one warm-up.
 
     python benchmarks/bench_peers.py [--family qwen2_5_vl|qwen3_5|qwen3_vl|qwen3_vl_moe|gemma3] [--dtype bfloat16|float32]
         [--requests 256] [--repeats 3] [--hf-batch 8,16,32] [--engines vlmserve,transformers,vllm]
         [--vllm-python PATH] [--vllm-modes compiled,eager] [--threads 2] [--device cpu|cuda]
+    python benchmarks/bench_peers.py --scale qwen2_5_vl_3b|qwen3_5 [--layers N] --workload batch|one-user|long ...
+
+Two kinds of run:
+- the small peer checkpoints (`--family`) on the mixed workload (`common.peer_workload`: a
+  shared system prompt, 0-2 pictures and 8-64 output tokens per request);
+- checkpoints at published widths (`--scale`, built by scale_checkpoints.py, `--layers`
+  cuts their depth) on the workloads people run there (`common.scale_workload`): a batch
+  of chats about pictures of 336-1024 px, one user (one 1-megapixel picture, then 256
+  tokens), long prompts (~8k tokens of pictures). These runs also measure the machine's
+  limits (memory bandwidth, bf16 matmul peak) and print each engine's share of them:
+  decode against the bandwidth roofline (the bytes of weights a step reads), prefill and
+  the batch against the FLOP peak.
 
 vLLM needs a venv of its own (it pins another torch): `bash benchmarks/setup_vllm_cpu.sh`
 builds one at ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python);
@@ -51,12 +62,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
+    SCALE_WORKLOADS,
+    checkpoint_costs,
     cpu_flags,
     find_vllm,
+    machine_limits,
     peer_checkpoint,
     peer_workload,
     render_prompt,
+    scale_workload,
 )
+from scale_checkpoints import FAMILIES as SCALE_FAMILIES  # noqa: E402
+from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "peer_workers"))
 from procstat import cpu_times  # noqa: E402
@@ -156,8 +173,14 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=["qwen2_5_vl", "qwen3_5", "qwen3_vl", "qwen3_vl_moe", "gemma3"],
                     default="qwen2_5_vl")
+    ap.add_argument("--scale", choices=SCALE_FAMILIES, default=None,
+                    help="a checkpoint at published widths instead of --family's small one")
+    ap.add_argument("--layers", type=int, default=None, help="--scale: cut its depth to this many layers")
+    ap.add_argument("--workload", choices=("mixed", *SCALE_WORKLOADS), default="mixed")
+    ap.add_argument("--vllm-memory-share", type=float, default=0.3,
+                    help="vLLM's gpu_memory_utilization (about 0.55 holds a 5.6 GB checkpoint and its KV cache)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=None, help="requests of the mixed (256) or batch (32) workload")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
     ap.add_argument("--engines", default=",".join(ENGINES), help="some of: " + ",".join(ENGINES))
@@ -180,6 +203,7 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"unknown vLLM mode(s) {sorted(unknown)}; choose from {', '.join(VLLM_MODES)}")
     if args.vllm_python is not None and not args.vllm_python.exists():
         ap.error(f"--vllm-python {args.vllm_python} does not exist")
+    args.requests = args.requests or (256 if args.workload == "mixed" else 32)
     if args.repeats < 1 or args.requests < 1 or min(args.hf_batch) < 1:
         ap.error("--requests, --repeats and --hf-batch must be positive")
     if args.device == "cuda":
@@ -193,27 +217,49 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def write_workload(folder: Path, model: str, n: int) -> list[dict[str, Any]]:
+def write_workload(folder: Path, model: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
     """The pictures as PNG files and workload.json: per request the prompt text (the
-    checkpoint's own chat template), its picture files and max_tokens."""
+    checkpoint's own chat template), its picture files and max_tokens; and whether the
+    requests go one at a time."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
-    requests, pictures = peer_workload(n)
+    if args.workload == "mixed":
+        (requests, pictures), sequential = peer_workload(args.requests), False
+    else:
+        requests, pictures, sequential = scale_workload(args.workload, args.requests)
     files = []
     for i, picture in enumerate(pictures):
         files.append(str(folder / f"picture-{i:02d}.png"))
         picture.save(files[-1])
     spec = [{"prompt": render_prompt(processor, r), "images": [files[p] for p in r["pictures"]],
-             "max_tokens": r["max_tokens"]} for r in requests]
+             "max_tokens": r["max_tokens"], "patches": sum(picture_patches(processor, pictures[p]) for p in r["pictures"])}
+            for r in requests]
+    for r in spec:
+        r["prompt_tokens"] = prompt_tokens(processor, r)
     (folder / "workload.json").write_text(json.dumps({"requests": spec}))
-    return spec
+    return spec, sequential
 
 
-def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[list[Engine], list[str]]:
+def picture_patches(processor, picture) -> int:
+    """The vision patches a picture becomes (before merging)."""
+    return int(processor.image_processor(images=[picture], return_tensors="pt")["image_grid_thw"].prod())
+
+
+def prompt_tokens(processor, request: dict[str, Any]) -> int:
+    from PIL import Image
+
+    images = [Image.open(f).convert("RGB") for f in request["images"]]
+    return int(processor(text=[request["prompt"]], images=images or None, return_tensors="pt")["input_ids"].shape[1])
+
+
+def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[dict[str, Any]]
+                 ) -> tuple[list[Engine], list[str]]:
     """The engines to run (vlmserve first) and notes on those skipped."""
+    longest = max(r["prompt_tokens"] + r["max_tokens"] for r in spec)
     common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
-              "--device", args.device]
+              "--device", args.device, "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
+              "--max-images", str(max(2, max(len(r["images"]) for r in spec)))]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     engines, notes = [], []
     if "vlmserve" in args.engines:
@@ -229,7 +275,8 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path) -> tuple[li
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
             engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
-                                                         *flags], vllm_environment))
+                                                         *flags, "--memory-share", str(args.vllm_memory_share)],
+                                  vllm_environment))
     return engines, notes
 
 
@@ -292,11 +339,14 @@ def fmt_ratio(x: float) -> str:
 
 def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list[Engine], notes: list[str],
            speeds: dict[int, float]) -> None:
-    counts = [sum(len(r["images"]) == k for r in spec) for k in (0, 1, 2)]
+    counts = [sum(len(r["images"]) == k for r in spec) for k in (0, 1)]
     print(f"CPU: {cpu_flags()}")
-    print(f"model: {args.family} peer checkpoint ({model}), {args.dtype}, {args.threads} threads, {device(args)}")
-    print(f"workload: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
-          f"{counts[2]} with two), {sum(r['max_tokens'] for r in spec)} output tokens; "
+    name = f"{args.scale} at published widths" + (f", cut to {args.layers} layers" if args.layers else "") \
+        if args.scale else f"{args.family} peer checkpoint"
+    print(f"model: {name} ({model}), {args.dtype}, {args.threads} threads, {device(args)}")
+    print(f"workload {args.workload}: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
+          f"{len(spec) - counts[0] - counts[1]} with more), {sum(r['max_tokens'] for r in spec)} output tokens, "
+          f"{sum(r['prompt_tokens'] for r in spec)} prompt tokens; "
           f"median of {args.repeats} alternating runs after one warm-up, cold caches each run")
     for note in notes:
         print(note)
@@ -346,19 +396,25 @@ def print_phases(engine: Engine) -> None:
 
 def main() -> None:
     args = parse_args()
-    model = peer_checkpoint(args.family)
+    model = build_scale_checkpoint(args.scale, args.layers) if args.scale else peer_checkpoint(args.family)
+    limits = None
+    if args.scale:  # measured before any engine starts: nothing else runs
+        log("measuring the machine's memory bandwidth and bf16 matmul peak ...")
+        limits = machine_limits(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
-        spec = write_workload(folder, model, args.requests)
-        engines, notes = plan_engines(args, model, folder)
+        spec, sequential = write_workload(folder, model, args)
+        engines, notes = plan_engines(args, model, folder, spec)
         try:
             start(engines, folder)
             for e in engines:  # warm-up, not counted
+                if sequential:
+                    e.run_args["sequential"] = True
                 log(f"warm-up: {e.name}")
                 wait_idle(engines)
                 e.worker.run(**e.run_args)
             speeds = {}
-            if "transformers" in args.engines and len(args.hf_batch) > 1:
+            if "transformers" in args.engines and len(args.hf_batch) > 1 and not sequential:
                 wait_idle(engines)  # after the last warm-up (vLLM's, which spins on)
                 speeds = calibrate(next(e for e in engines if e.name == "transformers"), args.hf_batch)
             for r in range(args.repeats):
@@ -379,6 +435,42 @@ def main() -> None:
                 if e.worker is not None:
                     e.worker.stop()
         report(args, model, spec, engines, notes, speeds)
+        if limits is not None:
+            report_limits(model, spec, engines, limits, sequential)
+
+
+def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: dict[str, float],
+                  sequential: bool) -> None:
+    """Each engine's share of the machine's limits: decode against the bandwidth roofline
+    (weights read per step over the read bandwidth), prefill and whole runs against the
+    bf16 matmul peak (FLOPs counted as if nothing were cached)."""
+    costs = checkpoint_costs(model)
+    prompt = sum(r["prompt_tokens"] for r in spec)
+    output = sum(r["max_tokens"] for r in spec)
+    patches = sum(r["patches"] for r in spec)
+    prefill_flops = costs["text_flops_per_token"] * prompt + costs["vision_flops_per_patch"] * patches
+    total_flops = prefill_flops + (costs["text_flops_per_token"] + costs["head_flops_per_token"]) * output
+    roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
+    peak = limits["bf16_tflops"] * 1e12
+    print(f"machine: read {limits['read_gbs']:.1f} GB/s, copy {limits['copy_gbs']:.1f} GB/s, "
+          f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s")
+    print(f"checkpoint: {costs['decode_bytes'] / 1e9:.2f} GB read per decode step -> one stream's roofline "
+          f"{roofline:.1f} tok/s; {costs['text_flops_per_token'] / 1e9:.2f} GFLOP per prompt token, "
+          f"{costs['vision_flops_per_patch'] / 1e9:.2f} per vision patch")
+    print(f"workload: {prompt} prompt tokens ({patches} vision patches), {output} output tokens, "
+          f"{total_flops / 1e12:.1f} TFLOP")
+    print(f"{'engine':<22}{'TFLOP/s':>9}{'of peak':>9}" + (f"{'prefill TFLOP/s':>17}{'of peak':>9}"
+                                                           f"{'decode tok/s':>14}{'of roofline':>13}"
+                                                           if sequential else ""))
+    for e in engines:
+        seconds = e.median("seconds")
+        line = f"{e.name:<22}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
+        if sequential and all(r.get("ttft") for r in e.runs):
+            ttft = statistics.median(r["ttft"][0] for r in e.runs)
+            decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)
+            line += (f"{prefill_flops / ttft / 1e12:>17.2f}{prefill_flops / ttft / peak:>9.1%}"
+                     f"{decode:>14.1f}{decode / roofline:>13.1%}")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,74 @@ def cpu_flags() -> str:
     return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
 
 
+def machine_limits(threads: int) -> dict[str, float]:
+    """What this machine can do with `threads` threads, measured now: memory bandwidth
+    (GB/s) reading 1 GiB (a sum) and copying it, and the bf16 matmul peak (TFLOP/s,
+    4096^3). Decode is held to the first, prefill to the last."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def best(f, n: int = 5) -> float:
+        f()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    a = torch.ones(1 << 28)  # 1 GiB of fp32
+    b = torch.empty_like(a)
+    read = a.numel() * 4 / best(lambda: a.sum()) / 1e9
+    copy = 2 * a.numel() * 4 / best(lambda: b.copy_(a)) / 1e9
+    del a, b
+    x = torch.randn(4096, 4096).to(torch.bfloat16)
+    peak = 2 * 4096**3 / best(lambda: torch.mm(x, x), 3) / 1e12
+    return {"read_gbs": read, "copy_gbs": copy, "bf16_tflops": peak}
+
+
+def checkpoint_costs(model: str) -> dict[str, float]:
+    """From a checkpoint's tensors: the bytes a decode step reads (the language model's
+    matrices and norms, the output head; one embedding row, so not the table, unless tied
+    to the head) and the matmul FLOPs per prompt token of the language model and per
+    vision patch of the tower."""
+    import json as _json
+
+    from safetensors import safe_open
+
+    folder = Path(model)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(_json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        [p.name for p in folder.glob("*.safetensors")]
+    sizes: dict[str, tuple[int, int, int]] = {}  # name -> (elements, bytes per element, dims)
+    for file in files:
+        with safe_open(str(folder / file), "pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape = sl.get_shape()
+                numel = 1
+                for d in shape:
+                    numel *= d
+                sizes[name] = (numel, 2 if sl.get_dtype() in ("BF16", "F16") else 4, len(shape))
+    tied = not any(n.startswith("lm_head") for n in sizes)
+    decode_bytes = text_flops = vision_flops = head_flops = 0
+    for name, (numel, width, dims) in sizes.items():
+        vision = ".visual." in name or name.startswith("visual.")
+        embed = "embed_tokens" in name
+        if vision:
+            vision_flops += 2 * numel if dims >= 2 else 0
+        elif embed:
+            decode_bytes += numel * width if tied else 0
+            head_flops += 2 * numel if tied else 0
+        else:
+            decode_bytes += numel * width
+            text_flops += 2 * numel if dims >= 2 and not name.startswith("lm_head") else 0
+            head_flops += 2 * numel if name.startswith("lm_head") else 0
+    return {"decode_bytes": decode_bytes, "text_flops_per_token": text_flops, "head_flops_per_token": head_flops,
+            "vision_flops_per_patch": vision_flops}
+
+
 def synthetic_image(w: int, h: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
     base = rng.randint(0, 256, (4, 4, 3), dtype=np.uint8)  # smooth-ish, like a photo
@@ -141,6 +209,35 @@ def peer_workload(n: int = 256, seed: int = 0) -> tuple[list[dict], list[Image.I
         requests.append({"question": rng.choice(QUESTIONS), "pictures": [rng.randrange(64) for _ in range(count)],
                          "max_tokens": rng.randint(8, 64)})
     return requests, pictures
+
+
+# -- workloads at published widths (issue 34) ------------------------------------------------
+SCALE_WORKLOADS = ("batch", "one-user", "long")
+
+
+def scale_workload(kind: str, n: int = 32, seed: int = 0) -> tuple[list[dict], list[Image.Image], bool]:
+    """Requests at the scale people run (the same form as peer_workload's), their pictures,
+    and whether they go one at a time:
+    - batch: n chats over n // 3 distinct pictures of 336-1024 px a side (each used about
+      three times), one per chat, 32-256 answer tokens;
+    - one-user: one chat about one 1-megapixel picture (1024 x 1024), 256 answer tokens;
+    - long: two chats of six 1024 x 1024 pictures each (about 8k prompt tokens), 64
+      answer tokens."""
+    rng = random.Random(seed)
+    if kind == "batch":
+        distinct = max(1, n // 3)
+        pictures = [synthetic_image(rng.randint(336, 1024), rng.randint(336, 1024), seed=2000 + i)
+                    for i in range(distinct)]
+        requests = [{"question": rng.choice(QUESTIONS), "pictures": [rng.randrange(distinct)],
+                     "max_tokens": rng.randint(32, 256)} for _ in range(n)]
+        return requests, pictures, False
+    if kind == "one-user":
+        return [{"question": QUESTIONS[0], "pictures": [0], "max_tokens": 256}], [synthetic_image(1024, 1024, 3000)], True
+    if kind == "long":
+        pictures = [synthetic_image(1024, 1024, 4000 + i) for i in range(12)]
+        return [{"question": QUESTIONS[1], "pictures": list(range(6 * r, 6 * r + 6)), "max_tokens": 64}
+                for r in range(2)], pictures, False
+    raise ValueError(f"unknown workload {kind!r}; one of {SCALE_WORKLOADS}")
 
 
 def render_prompt(processor, request: dict) -> str:

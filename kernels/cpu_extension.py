@@ -18,7 +18,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp")]
 HEADERS = [CSRC / "vec_math.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
@@ -38,6 +38,12 @@ def _cpu_flags() -> str:
     return ""
 
 
+@functools.cache
+def has_bf16_dot() -> bool:
+    """Whether this CPU has AVX512-BF16 (the kernels built with -march=native use it)."""
+    return "avx512_bf16" in _cpu_flags().split()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("VLMSERVE_CACHE") or Path.home() / ".cache" / "vlmserve"
     return Path(root) / "kernels"
@@ -49,7 +55,8 @@ def available() -> bool:
     if os.environ.get(DISABLE_ENV) == "1":
         return False
     import torch
-    from torch.utils.cpp_extension import load
+
+    load = _quiet_import_of_load()
 
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
@@ -65,6 +72,21 @@ def available() -> bool:
              extra_include_paths=[str(CSRC)],
              build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, a failed build: the torch fallbacks run
-        logger.warning("vlmserve's CPU kernels are not available (%s); using the pure-torch ops", e)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        logger.warning("vlmserve's CPU kernels could not be built (%s): the slower pure-torch kernels run; install "
+                       "a C++ compiler with OpenMP (g++) and restart to build them", first.strip()[:200])
         return False
     return True
+
+
+def _quiet_import_of_load():
+    """torch's extension builder, imported without its "No CUDA runtime is found" warning:
+    it looks for CUDA when imported, which says nothing to a CPU build."""
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        cpp_logger.setLevel(level)
+    return load

@@ -5,6 +5,9 @@ On CPU a weight can be reordered once into oneDNN's blocked layout. For the row 
 of batched decode (8-64 tokens) a matmul on it runs 1.5-2x faster than `F.linear` on the
 plain weight, and as fast for long prefills; for one to a few rows (a single stream
 decoding) the plain weight is faster. So a packed layer keeps both and picks by row count.
+For one to four rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
+matrix-vector product bound by how fast the weight streams from memory: vlmserve's own
+kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.registry import register
 
 PACKED_MIN_ROWS = 8  # below this the plain weight is faster (measured: 1 row ~25% slower packed)
+GEMV_MAX_ROWS = 4  # up to this, the bf16 matrix-vector kernel (csrc/gemv.cpp)
 
 
 @register("pack_linear_weight")
@@ -41,10 +45,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if 0 < rows <= GEMV_MAX_ROWS and _gemv_fits(x, weight):
+        return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
     if packed is None or rows < PACKED_MIN_ROWS:
         return F.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0
+            and weight.is_contiguous() and cpu_extension.has_bf16_dot() and cpu_extension.available())
 
 
 @register("silu_and_mul")

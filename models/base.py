@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmserve.kernels import ops
 from vlmserve.models.context import DeepStackInputs, ForwardContext
 from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
@@ -90,7 +91,7 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.T
+        return ops.linear(hidden, weight, None)
 
     @staticmethod
     def canonical_name(name: str) -> str:

@@ -76,7 +76,8 @@ def test_a_folder_with_copies_broken_files_and_a_video(qwen25_path, folder, tmp_
     some = [r for r in good if r["path"].endswith(".png")][:6] + [video]
     part = lambda path: ({"type": "video_url", "video_url": {"url": path}} if path.endswith(".mp4")  # noqa: E731
                          else {"type": "image_url", "image_url": {"url": path}})
-    outs = llm.chat([[{"role": "user", "content": [part(r["path"]), {"type": "text", "text": "Describe the image."}]}]
+    question = lambda path: "Describe the video." if path.endswith(".mp4") else "Describe the image."  # noqa: E731
+    outs = llm.chat([[{"role": "user", "content": [part(r["path"]), {"type": "text", "text": question(r["path"])}]}]
                      for r in some], SamplingParams(temperature=0, max_tokens=8))
     assert [o.outputs[0].text for o in outs] == [r["caption"] for r in some]
     assert [o.num_prompt_tokens for o in outs] == [r["prompt_tokens"] for r in some]

@@ -191,6 +191,28 @@ def test_packed_linear_equals_plain_linear(rows, bias):
     torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
+    """Up to four rows of a bf16 layer take the matrix-vector kernel (AVX512-BF16 CPUs):
+    fp32 sums of the exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
+    from vlmserve.kernels import cpu_extension, linear
+
+    torch.manual_seed(0)
+    out_features = 4 * 37 + 3  # full bands of four weight rows and a tail
+    weight = torch.randn(out_features, 320).to(torch.bfloat16)
+    b = torch.randn(out_features).to(torch.bfloat16) if bias else None
+    x = torch.randn(2, rows, 320).to(torch.bfloat16)[:1]  # a view: not contiguous in memory
+    got = linear.linear_cpu(x, weight, b)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
+    torch.testing.assert_close(got, F.linear(x, weight, b), atol=0.05, rtol=1e-2)
+    uses_kernel = rows <= linear.GEMV_MAX_ROWS and cpu_extension.has_bf16_dot() and cpu_extension.available()
+    if uses_kernel:
+        torch.testing.assert_close(got, torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b), atol=0, rtol=0)
+
+
 def test_no_packed_layout_where_there_is_none():
     assert Linear(8, 8).pack() is None and Linear(8, 8).packed_weight is None  # not packed until asked
     half = Linear(8, 8).to(torch.float16)

@@ -31,7 +31,7 @@ def test_chat_takes_pil_path_and_data_url_alike(llm):
     greedy = SamplingParams(temperature=0, max_tokens=10)
     by_pil = llm.chat(chat({"type": "image", "image": IMG}), greedy)[0]
     by_path = llm.chat(chat({"type": "image_url", "image_url": {"url": str(llm.media_folder / "pic.png")}}), greedy)[0]
-    by_file_url = llm.chat(chat({"type": "image_url", "image_url": "file://" + str(llm.media_folder / "pic.png")}), greedy)[0]
+    by_file_url = llm.chat(chat({"type": "image_url", "image_url": {"url": "file://" + str(llm.media_folder / "pic.png")}}), greedy)[0]
     by_data = llm.chat(chat({"type": "image_url", "image_url": {"url": data_url(IMG)}}), greedy)[0]
     texts = {o.outputs[0].text for o in (by_pil, by_path, by_file_url, by_data)}
     assert len(texts) == 1 and texts.pop()

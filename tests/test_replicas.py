@@ -37,7 +37,7 @@ def replica_series(server: Server, name: str) -> dict[str, float]:
     """A replica-labelled series of the ingress's /metrics, summed per replica."""
     text = _metrics_text(server)
     out: dict[str, float] = {}
-    for labels, value in re.findall(rf"^vlmserve:{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+    for labels, value in re.findall(rf"^(?:vlmserve|vllm):{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
         replica = re.search(r'replica="([^"]+)"', labels)
         if replica:
             out[replica.group(1)] = out.get(replica.group(1), 0.0) + float(value)

@@ -164,7 +164,7 @@ def test_small_gaps_of_the_api(server):
     metrics = httpx.get(server.base + "/metrics").text
     for name in ("encoder_cache_entries", "encoder_cache_usage_tokens", "state_slots_in_use",
                  "request_queue_time_seconds_count"):
-        assert f"vlmserve:{name}" in metrics, name
+        assert f"vlmserve:{name}" in metrics or f"vllm:{name}" in metrics, name
 
 
 def test_bearer_in_lower_case_is_accepted(qwen25_path):
@@ -237,7 +237,7 @@ def test_a_chunked_body_is_cut_off_at_the_cap_while_it_streams_in(strict):
 def test_requests_beyond_the_connection_cap_get_a_503(strict):
     async def main():
         client = openai.AsyncOpenAI(base_url=strict.base + "/v1", api_key="none", max_retries=0)
-        streams = [await client.completions.create(model="tiny", prompt="a", max_tokens=100000, stream=True,
+        streams = [await client.completions.create(model="tiny", prompt="a", max_tokens=3000, stream=True,
                                                    extra_body={"ignore_eos": True}) for _ in range(3)]
         try:
             r = await asyncio.get_running_loop().run_in_executor(None, post, strict, "completions",
@@ -272,7 +272,7 @@ def test_hang_ups_are_one_info_line_not_a_traceback(qwen25_path):
     s = Server(qwen25_path, "--num-kv-blocks", "512")
     try:
         # a plain request whose client leaves while it runs
-        body = json.dumps({"prompt": "Hello", "max_tokens": 100000, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}).encode()
         conn = socket.create_connection(("127.0.0.1", s.port))
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)

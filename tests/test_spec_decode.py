@@ -519,7 +519,7 @@ def test_served_with_speculation_on_the_shipped_model(method):
         assert answer.choices[0].message.content == streamed == want.text
         assert len(answer.choices[0].logprobs.content) == answer.usage.completion_tokens == len(want.token_ids)
         metrics = httpx.get(server.base + "/metrics").text
-        accepted = float(re.search(r"^vlmserve:spec_decode_num_accepted_tokens_total (\S+)", metrics, re.M).group(1))
+        accepted = float(re.search(r"^vllm:spec_decode_num_accepted_tokens_total{.*} (\S+)", metrics, re.M).group(1))
         assert accepted > 0
     finally:
         server.stop()

@@ -81,6 +81,24 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
             if " in the " in phrase or phrase.startswith("in the "):
                 assert phrase.rstrip(".").endswith(shapes.POSITIONS[cell]), (phrase, cell)
 
+    # a clip's targets: the moving shape's token in each frame pair, the second one on its way
+    steps = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+    for kind in ("video_caption", "video_moving"):
+        clips, _ = train.make_batch(processor, random.Random(kind), kind, 8)
+        found: dict[tuple[int, int], list[int]] = {}
+        for row, query, token in clips["lookup"].tolist():
+            assert clips["labels"][row, query + 1] != -100
+            found.setdefault((row, query), []).append(token)
+        for (row, query), tokens in found.items():
+            first, second = sorted(tokens)
+            assert first < 9 <= second < 18
+            answer = tokenizer.decode(clips["input_ids"][row, query + 1 :]).split("<|im_end|>")[0]
+            words = answer.replace(",", " ").replace(".", " ").split()
+            direction = words[0] if words[0] in steps else words[words.index("moving") + 1]
+            dx, dy = steps[direction]
+            (r0, c0), (r1, c1) = divmod(first, 3), divmod(second - 9, 3)
+            assert (c1 - c0) * dx >= 0 and (r1 - r0) * dy >= 0 and (c1 - c0 if dx == 0 else r1 - r0) == 0
+
     # attention all on the right cell costs nothing; spread evenly, it costs
     image_token_id = recipe.build_config(tokenizer).image_token_id
     cells = torch.full_like(ids, -1)
@@ -90,6 +108,6 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
     for row, query, cell in targets.tolist():
         in_cell = (cells[row] == cell).float()
         right[row, 0, query] = in_cell / in_cell.sum()
-    assert train.lookup_loss([right], ids, targets, image_token_id).item() < 1e-5
+    assert train.lookup_loss([right], ids, targets, (image_token_id,)).item() < 1e-5
     even = torch.full_like(right, 1 / ids.shape[1])
-    assert train.lookup_loss([even], ids, targets, image_token_id).item() > 1.0
+    assert train.lookup_loss([even], ids, targets, (image_token_id,)).item() > 1.0

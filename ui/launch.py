@@ -36,7 +36,8 @@ def run_ui(args) -> None:
         from vlmserve.engine.model_source import served_name
         from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
 
-        engine = AsyncLLM(EngineArgs.from_namespace(args), max_pending_requests=args.max_pending_requests)
+        engine = AsyncLLM(EngineArgs.from_namespace(args), max_pending_requests=args.max_pending_requests,
+                          served_model_name=args.served_model_name, metrics_names=args.metrics_names)
         name = args.served_model_name or served_name(args.model, engine.model_path)
         # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
         # or without; the UI's own calls go through it like any client's

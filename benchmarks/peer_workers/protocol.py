@@ -3,6 +3,7 @@ engine's worker (standard library and Pillow only: the vLLM venv imports it too)
 
     -> {"ready": true, "start_seconds": s}                 once the engine is built
     <- {"cmd": "run", ...}                                  the whole workload, from cold caches
+                                                            ("sequential": one request at a time)
     -> {"seconds", "tokens", "user", "sys", "cached_tokens", "first_tokens", "exact_lengths", "ttft"}
     <- {"cmd": "quit"}
 """
@@ -48,6 +49,8 @@ def worker_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="checkpoint folder")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-images", type=int, default=2, help="pictures per prompt at most")
     return ap
 
 

@@ -53,7 +53,7 @@ def main() -> None:
         return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)], first.time
 
     def run(message: dict) -> dict[str, Any]:
-        batch = int(message.get("batch", args.batch))
+        batch = 1 if message.get("sequential") else int(message.get("batch", args.batch))
         token_ids, first_times = [], []
         run_start = time.time()
         for i in range(0, len(requests), batch):

@@ -23,14 +23,17 @@ def main() -> None:
     out = protocol_stdout()
     ap = worker_args(__doc__)
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no torch.compile)")
+    ap.add_argument("--memory-share", type=float, default=0.3,
+                    help="gpu_memory_utilization: the share of memory for weights and KV cache")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
 
     requests = load_workload(args.workload)
     t = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, gpu_memory_utilization=0.3, max_model_len=4096,
-              enable_prefix_caching=True, limit_mm_per_prompt={"image": 2, "video": 0}, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, gpu_memory_utilization=args.memory_share,
+              max_model_len=args.max_model_len, enable_prefix_caching=True,
+              limit_mm_per_prompt={"image": args.max_images, "video": 0}, seed=0,
               max_num_seqs=256, max_num_batched_tokens=4096, enforce_eager=args.eager,
               disable_log_stats=False)  # per-request metrics: the time of each first token
     start_seconds = time.perf_counter() - t
@@ -47,7 +50,10 @@ def main() -> None:
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         run_start = time.time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if message.get("sequential"):
+            outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
         firsts = [first_token_time(o) for o in outs]
         return summarize(requests, [o.outputs[0].token_ids for o in outs], cached,

@@ -24,8 +24,8 @@ def main() -> None:
 
     requests = load_workload(args.workload)
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=4096, kv_cache_memory_gb=2,
-              time_steps=args.profile)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=4096,
+              kv_cache_memory_gb=2, max_model_len=args.max_model_len, time_steps=args.profile)
     start_seconds = time.perf_counter() - t
 
     def reset() -> None:
@@ -37,7 +37,10 @@ def main() -> None:
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         run_start = time.time()
-        outs = llm.generate(prompts, params)
+        if message.get("sequential"):
+            outs = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+        else:
+            outs = llm.generate(prompts, params)
         result = summarize(requests, [o.outputs[0].token_ids for o in outs], sum(o.num_cached_tokens for o in outs),
                            [o.metrics.first_token_time for o in outs], run_start)
         if args.profile:

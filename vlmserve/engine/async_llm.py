@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine, ProcessedRequest
+from vlmserve.engine.model_source import served_name
 from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -45,7 +47,10 @@ class AsyncLLM:
     """An engine stepping in a thread of its own behind asyncio code: the EngineClient
     (engine/protocol.py) of a server with the engine in its process."""
 
-    def __init__(self, args: EngineArgs, max_pending_requests: int = 512) -> None:
+    def __init__(self, args: EngineArgs, max_pending_requests: int = 512, served_model_name: str | None = None,
+                 metrics_names: str = "vllm") -> None:
+        """served_model_name: the name its metrics carry (default: the model's folder or hub
+        id); metrics_names: vLLM's series names ("vllm") or vlmserve's older ones."""
         self._engine = LLMEngine(args)
         self.max_pending = max_pending_requests
         self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
@@ -63,7 +68,8 @@ class AsyncLLM:
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
         self.death_listeners: list[Callable[[BaseException], None]] = []  # e.g. the server exits
         self.stats = self._engine.stats()  # refreshed by the engine thread, read by /metrics
-        self.metrics = EngineMetrics(lambda: self.stats)
+        name = served_model_name or served_name(args.model, self._engine.model_path)
+        self.metrics = EngineMetrics(lambda: self.stats, name, self._engine.max_model_len, metrics_names)
         self.step_listeners.append(self.metrics.on_step)
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
         self._thread.start()
@@ -87,8 +93,16 @@ class AsyncLLM:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
-        return self._engine.render_chat(messages, add_generation_prompt, chat_template_kwargs, tools)
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> PromptInput:
+        return self._engine.render_chat(messages, add_generation_prompt, chat_template_kwargs, tools,
+                                        continue_final_message)
+
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        """The tokens a prompt becomes (its media processed), in the media pool."""
+        loop = asyncio.get_running_loop()
+        processed = await loop.run_in_executor(self.pool, self._engine.process_inputs, f"tokenize-{uuid.uuid4().hex}",
+                                               prompt, SamplingParams(max_tokens=1))
+        return processed.request.prompt_token_ids
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(

@@ -1,10 +1,11 @@
 """OpenAI-style chat messages -> (prompt text via the checkpoint's chat template, media).
 
-Content parts accepted: text; images as `image_url` ({"url": ..., "detail": ...} or a
-string), `image` (a PIL image, numpy array, path or URL) or `image_pil`; videos as
-`video_url` ({"url": ...} or a string) or `video` (a path, URL, frames or an array). The
+Content parts accepted: text; images as `image_url` ({"url": ..., "detail": ...}, as
+OpenAI's schema has it), `image` (a PIL image, numpy array, path or URL) or `image_pil`;
+videos as `video_url` ({"url": ...}) or `video` (a path, URL, frames or an array). The
 template only sees `{"type": "image"}` / `{"type": "video"}` placeholders, so any
-Qwen-style template renders them.
+Qwen-style template renders them. A message may have any role: the template renders it
+(vLLM's custom roles).
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmserve.engine.input_processor import PromptInput
-
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
-
 
 _PART_MODALITY = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video"}
 
@@ -36,8 +34,8 @@ def parse_chat_messages(messages: list[dict[str, Any]]) -> ParsedChat:
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
         role = message["role"]
-        if not isinstance(role, str) or role not in _ROLES:
-            raise ValueError(f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r}")
         content = message.get("content")
         if content is None:
             content = ""
@@ -97,6 +95,8 @@ def _parse_part(part: Any, parsed: ParsedChat, where: str) -> dict[str, Any]:
         modality = _PART_MODALITY[kind]
         value = part.get(kind)
         settings: dict[str, Any] = {}
+        if kind in ("image_url", "video_url") and not isinstance(value, dict):
+            raise ValueError(f"{where}.{kind} must be an object {{\"url\": ...}}, got {type(value).__name__}")
         if isinstance(value, dict):  # {"url": ..., "detail": ...}
             if value.get("detail") is not None:
                 settings["detail"] = value["detail"]
@@ -115,13 +115,17 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
 ) -> PromptInput:
+    """The prompt of chat messages; with continue_final_message, the last message is left
+    open for the answer to continue it."""
     parsed = parse_chat_messages(messages)
     try:
         prompt = hf_processor.apply_chat_template(
             parsed.messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **({"tools": tools} if tools else {}),
             **(chat_template_kwargs or {}),
         )

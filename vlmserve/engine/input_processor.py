@@ -27,6 +27,7 @@ class PromptInput:
     media: dict[str, list[Any]] = field(default_factory=dict)  # modality -> sources
     media_settings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per item, e.g. detail
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # for every item
+    truncate_prompt_tokens: int | None = None  # keep only the last N tokens (media wholly before the cut dropped)
 
     @classmethod
     def parse(cls, prompt: str | dict | PromptInput) -> PromptInput:
@@ -132,6 +133,8 @@ class InputProcessor:
             for m, items in inp.media.items()
         }
         token_ids = self._expand(inp, media)
+        if inp.truncate_prompt_tokens is not None:
+            token_ids, media = self._truncate(token_ids, media, inp.truncate_prompt_tokens)
         self._check_length(len(token_ids))
         features = self._features(token_ids, media)
         positions, delta = self.model_cls.mrope_positions(self.hf_config, token_ids, features)
@@ -225,6 +228,31 @@ class InputProcessor:
             i = at + len(mark)
         self._check_counts(counters, media)
         return "".join(parts)
+
+    def _truncate(self, token_ids: list[int], media: dict[str, list[ProcessedMedia]],
+                  keep: int) -> tuple[list[int], dict[str, list[ProcessedMedia]]]:
+        """The last `keep` tokens, and the media whose placeholders are in them: an item
+        wholly before the cut goes with it; one the cut would split is refused."""
+        cut = max(len(token_ids) - keep, 0)
+        if cut == 0:
+            return token_ids, media
+        by_id = {self.pad_id[m]: m for m in MODALITIES if self.pad_id[m] is not None}
+        dropped = dict.fromkeys(MODALITIES, 0)
+        covered = dict.fromkeys(MODALITIES, 0)  # placeholder tokens before the cut, per modality
+        for token in token_ids[:cut]:
+            modality = by_id.get(token)
+            if modality is not None:
+                covered[modality] += 1
+        for modality in MODALITIES:
+            for item in media.get(modality, []):
+                if covered[modality] <= 0:
+                    break
+                if covered[modality] < item.num_tokens:
+                    raise ValueError(f"truncate_prompt_tokens={keep} would cut through {modality} {dropped[modality]}: "
+                                     f"keep more tokens, or fewer")
+                covered[modality] -= item.num_tokens
+                dropped[modality] += 1
+        return token_ids[cut:], {m: items[dropped[m]:] for m, items in media.items()}
 
     @staticmethod
     def _check_counts(counters: dict[str, int], media: dict[str, list[ProcessedMedia]]) -> None:

@@ -183,11 +183,11 @@ class LLMEngine:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> PromptInput:
         """OpenAI-style chat messages (and tools) as a prompt, by the checkpoint's chat
         template (ValueError for messages it cannot take)."""
         return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs,
-                           tools)
+                           tools, continue_final_message)
 
     def default_sampling_params(self) -> SamplingParams:
         """vlmserve's defaults under the checkpoint's own (generation_config.json)."""

@@ -29,8 +29,11 @@ class EngineClient(Protocol):
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> PromptInput:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> PromptInput:
         """Chat messages (and tools) as a prompt, by the checkpoint's template."""
+
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        """The tokens a prompt becomes, its pictures and videos expanded (/tokenize)."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -30,8 +30,8 @@ RowHook = Callable[[Row, int], None]
 def add_caption_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", help="files, folders, globs, or .txt/.jsonl lists of paths")
     p.add_argument("--out", required=True, type=Path, help="JSONL output, one row per input")
-    p.add_argument("--prompt", default="Describe the image.")
-    p.add_argument("--video-prompt", default=None, help="prompt for videos (default: --prompt)")
+    p.add_argument("--prompt", default="Describe the image.", help="the question asked about each picture")
+    p.add_argument("--video-prompt", default="Describe the video.", help="the question asked about each video")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -78,7 +78,7 @@ def _prepare(args: argparse.Namespace) -> CaptionJob:
     args.out.touch()  # there is an output, if an empty one, even when nothing is left to do
     return CaptionJob(todo, captioned_originals(previous), params,
                       {"max_pixels": args.max_pixels} if args.max_pixels else {}, args.prompt,
-                      args.video_prompt or args.prompt, summary)
+                      args.video_prompt, summary)
 
 
 def _caption_on_ray(args: argparse.Namespace, job: CaptionJob, engine_args, on_row: RowHook | None

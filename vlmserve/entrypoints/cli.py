@@ -115,6 +115,9 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they are cut off")
     h.add_argument("--log-level", default="INFO")
+    h.add_argument("--metrics-names", choices=["vllm", "vlmserve"], default="vllm",
+                   help="the names of the /metrics series vLLM also has: vLLM's (vllm:*, with model_name and engine "
+                        "labels: its dashboards work unchanged) or vlmserve's earlier ones (vlmserve:*)")
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 the shapes world (a seed training never uses) and prints accuracy per question kind;
 optionally checks that transformers gives the same greedy answers.
 
-    vlmserve eval [--model PATH] [--pictures 500] [--videos 100] [--compare-transformers 50]
+    vlmserve eval [--model PATH] [--pictures 500] [--videos 100] [--video-captions 200] [--compare-transformers 50]
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ class Item:
     picture: int  # index of the picture / video it is about
 
 
-def held_out_set(pictures: int, videos: int, seed: str = HELD_OUT_SEED) -> list[Item]:
+def held_out_set(pictures: int, videos: int, seed: str = HELD_OUT_SEED, video_captions: int = 0) -> list[Item]:
+    """Pictures with every question kind, clips of one shape with the direction question,
+    and (their own stream of the seed, so the others stay the same) clips of 1 to 3 moving
+    shapes to describe."""
     rng = random.Random(seed)
     items = []
     for i in range(pictures):
@@ -45,6 +48,12 @@ def held_out_set(pictures: int, videos: int, seed: str = HELD_OUT_SEED) -> list[
         media = shapes.encode_mp4(video.frames) if i % 2 == 0 else video.frames  # MP4 or a list of frames
         qa = video.question
         items.append(Item(qa.kind, media, "video", qa.question, qa.answer, pictures + i))
+    rng = random.Random(f"{seed}-video-captions")
+    for i in range(video_captions):
+        video = shapes.random_moving_video(rng)
+        media = shapes.encode_mp4(video.frames) if i % 2 == 0 else video.frames
+        qa = video.caption
+        items.append(Item(qa.kind, media, "video", qa.question, qa.answer, pictures + videos + i))
     return items
 
 
@@ -100,7 +109,8 @@ def run_transformers(model_path: str, items: list[Item]) -> list[str]:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the shipped shapes model)")
     p.add_argument("--pictures", type=int, default=500)
-    p.add_argument("--videos", type=int, default=100)
+    p.add_argument("--videos", type=int, default=100, help="clips of one shape: which way it moves")
+    p.add_argument("--video-captions", type=int, default=200, help="clips of 1 to 3 moving shapes to describe")
     p.add_argument("--seed", default=HELD_OUT_SEED)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--compare-transformers", type=int, default=0, metavar="N",
@@ -111,10 +121,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from vlmserve.engine.model_source import resolve_model_path
 
     model = resolve_model_path(args.model)
-    items = held_out_set(args.pictures, args.videos, args.seed)
+    items = held_out_set(args.pictures, args.videos, args.seed, args.video_captions)
     answers, seconds = run_vlmserve(model, items, args.dtype)
     results = score(items, answers)
-    print(f"held-out set (seed {args.seed!r}): {args.pictures} pictures, {args.videos} videos, "
+    print(f"held-out set (seed {args.seed!r}): {args.pictures} pictures, {args.videos + args.video_captions} videos, "
           f"{len(items)} questions, answered in {seconds:.1f}s through vlmserve")
     print(table(results))
     wrong = [(i, a) for i, a in zip(items, answers)

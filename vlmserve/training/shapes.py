@@ -1,5 +1,6 @@
-"""The shapes world (../shared/SHAPES.md): pictures of coloured shapes on a 3x3 grid,
-the five kinds of questions about them, and short videos of one moving shape.
+"""The shapes world (docs/shapes-world.md): pictures of coloured shapes on a 3x3 grid,
+the five kinds of questions about them, and short videos of shapes moving in a straight
+line (which way one moves; a caption of what moves where).
 
 Everything is drawn from the full ranges of the spec (picture side, background, sizes,
 placement, colour jitter, anti-aliasing, PNG/JPEG, MP4/frames), so a model trained on
@@ -216,16 +217,55 @@ def through_file(img: Image.Image, rng: random.Random) -> Image.Image:
 
 
 # -- videos -----------------------------------------------------------------------------
+VIDEO_CAPTION_QUESTION = "Describe the video."
+_STEPS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+
+
+@dataclass
+class Movement:
+    shape: Shape  # as in the first frame
+    direction: str
+    distance: float  # pixels, over the whole clip
+
+    def phrase(self) -> str:
+        s = self.shape
+        return f"a {s.size} {s.color} {s.kind} moving {self.direction}"
+
+    def at(self, t: float) -> Shape:
+        """The shape at time t in [0, 1] of the clip (its cell: where its centre is)."""
+        x0, y0, side_px = self.shape.box
+        dx, dy = _STEPS[self.direction]
+        x, y = x0 + dx * self.distance * t, y0 + dy * self.distance * t
+        return Shape(self.shape.kind, self.shape.color, self.shape.size, _cell_at(x, y, side_px, self._cell_px),
+                     self.shape.rgb, (x, y, side_px))
+
+    _cell_px: float = 0.0
+
+
 @dataclass
 class Video:
     frames: list[Image.Image]
-    shape: Shape  # as in the first frame
-    direction: str
+    moves: list[Movement]  # in position order of their first frames' cells
 
     @property
     def question(self) -> QA:
-        s = self.shape
-        return QA("direction", f"Which way does the {s.color} {s.kind} move?", self.direction)
+        """Which way the first shape moves (the clips of the direction question have one)."""
+        return self.direction_question(0)
+
+    def direction_question(self, i: int) -> QA:
+        s = self.moves[i].shape
+        return QA("direction", f"Which way does the {s.color} {s.kind} move?", self.moves[i].direction)
+
+    @property
+    def caption(self) -> QA:
+        """Every shape and the way it moves, in position order of where it starts."""
+        parts = [m.phrase() for m in self.moves]
+        text = parts[0] + "." if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1] + "."
+        return QA("video_caption", VIDEO_CAPTION_QUESTION, text)
+
+
+def _cell_at(x: float, y: float, side_px: float, cell_px: float) -> int:
+    return min(int((y + side_px / 2) // cell_px), 2) * 3 + min(int((x + side_px / 2) // cell_px), 2)
 
 
 def random_video(rng: random.Random, num_frames: int | None = None, side: int | None = None) -> Video:
@@ -234,28 +274,78 @@ def random_video(rng: random.Random, num_frames: int | None = None, side: int | 
     side = side or rng.randint(160, 320)
     cell_px = side / 3
     direction = rng.choice(DIRECTIONS)
-    dx, dy = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}[direction]
+    dx, dy = _STEPS[direction]
     distance = rng.uniform(1.0, 2.0) * cell_px
     size = rng.choice(list(SIZES))
     lo, hi = SIZES[size]
     side_px = rng.uniform(lo, hi) * cell_px
-    # start anywhere the whole path stays inside the picture
+    x0, y0 = _start(rng, side, side_px, dx, dy, distance)
+    kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    move = _movement(kind, color, size, _jitter(COLORS[color], rng), (x0, y0, side_px), direction, distance, cell_px)
+    background = tuple(rng.randint(225, 255) for _ in range(3))
+    return _clip(side, background, [move], n, antialias=rng.random() < 0.5)
+
+
+def random_moving_video(rng: random.Random, num_shapes: int | None = None, num_frames: int | None = None,
+                        side: int | None = None) -> Video:
+    """1 to 3 shapes (no two of one colour and kind), each moving 1 to 2 cells in a
+    straight line of its own direction, never overlapping another; 4 to 8 frames at 2 fps."""
+    n = num_frames or rng.randint(4, 8)
+    side = side or rng.randint(160, 320)
+    cell_px = side / 3
+    wanted = num_shapes or rng.randint(1, 3)
+    moves: list[Movement] = []
+    used: set[tuple[str, str]] = set()
+    for _ in range(200 * wanted):  # rejection: paths that cross another shape's are drawn again
+        if len(moves) == wanted:
+            break
+        direction = rng.choice(DIRECTIONS)
+        dx, dy = _STEPS[direction]
+        distance = rng.uniform(1.0, 2.0) * cell_px
+        size = rng.choice(list(SIZES))
+        lo, hi = SIZES[size]
+        side_px = rng.uniform(lo, hi) * cell_px
+        x0, y0 = _start(rng, side, side_px, dx, dy, distance)
+        kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+        move = _movement(kind, color, size, _jitter(COLORS[color], rng), (x0, y0, side_px), direction, distance,
+                         cell_px)
+        if (color, kind) in used or any(_collide(move, other) for other in moves):
+            continue
+        used.add((color, kind))
+        moves.append(move)
+    background = tuple(rng.randint(225, 255) for _ in range(3))
+    return _clip(side, background, moves, n, antialias=rng.random() < 0.5)
+
+
+def _start(rng: random.Random, side: float, side_px: float, dx: int, dy: int, distance: float) -> tuple[float, float]:
+    """A start anywhere the whole path stays inside the picture."""
     span_x = (0, side - side_px) if dx == 0 else ((distance, side - side_px) if dx < 0 else (0, side - side_px - distance))
     span_y = (0, side - side_px) if dy == 0 else ((distance, side - side_px) if dy < 0 else (0, side - side_px - distance))
-    x0, y0 = rng.uniform(*span_x), rng.uniform(*span_y)
-    kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-    rgb = _jitter(COLORS[color], rng)
-    background = tuple(rng.randint(225, 255) for _ in range(3))
-    antialias = rng.random() < 0.5
-    frames, first = [], None
-    for i in range(n):
-        t = i / (n - 1)
-        x, y = x0 + dx * distance * t, y0 + dy * distance * t
-        cell = min(int((y + side_px / 2) // cell_px), 2) * 3 + min(int((x + side_px / 2) // cell_px), 2)
-        shape = Shape(kind, color, size, cell, rgb, (x, y, side_px))
-        first = first or shape
-        frames.append(render(Scene(side, background, [shape]), antialias=antialias))
-    return Video(frames, first, direction)
+    return rng.uniform(*span_x), rng.uniform(*span_y)
+
+
+def _movement(kind, color, size, rgb, box, direction, distance, cell_px) -> Movement:
+    move = Movement(Shape(kind, color, size, _cell_at(box[0], box[1], box[2], cell_px), rgb, box), direction, distance)
+    move._cell_px = cell_px
+    return move
+
+
+def _collide(a: Movement, b: Movement, samples: int = 16) -> bool:
+    """Whether two moving shapes' boxes (with a margin) ever overlap, or start in one cell."""
+    if a.shape.cell == b.shape.cell:
+        return True
+    for k in range(samples + 1):
+        (ax, ay, aside), (bx, by, bside) = a.at(k / samples).box, b.at(k / samples).box
+        margin = 2.0
+        if ax < bx + bside + margin and bx < ax + aside + margin and ay < by + bside + margin and by < ay + aside + margin:
+            return True
+    return False
+
+
+def _clip(side: int, background, moves: list[Movement], n: int, antialias: bool) -> Video:
+    frames = [render(Scene(side, background, [m.at(i / (n - 1)) for m in moves]), antialias=antialias)
+              for i in range(n)]
+    return Video(frames, sorted(moves, key=lambda m: m.shape.cell))
 
 
 def encode_mp4(frames: list[Image.Image], fps: int = 2) -> bytes:

@@ -33,7 +33,11 @@ The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Five ph
    right (up to three objects, each size, colour, shape and place).
 5. JSON (`--json-steps`, off by default; `--init-from` an exported model starts here):
    the caption's content as compact JSON, with look-up targets at each shape's colour
-   and shape value. The shipped model got it in four short runs (README).
+   and shape value. The shipped model got it in four short runs (docs/models.md).
+6. Video captions (`--video-caption-steps`, off by default; after JSON): clips of 1 to 3
+   shapes, each moving its own way, described ("a small green square moving up and ...");
+   the direction question also asked about one shape of such clips; the picture skills
+   kept in the mix.
 AdamW, warm-up then cosine decay, in every phase; fp32 by default (`--bf16` for CPUs with
 native bf16 matmul: on AVX2-only CPUs torch's bf16 gemm is ~50x slower than fp32).
 """
@@ -62,6 +66,11 @@ BATCH_KINDS = {"caption": 0.35, "short": 0.55, "video": 0.10}
 LOOKUP_BATCH_KINDS = {"caption": 0.10, "short": 0.80, "video": 0.10}
 CAPTION_BATCH_KINDS = {"caption": 0.60, "short": 0.30, "video": 0.10}
 JSON_BATCH_KINDS = {"json": 0.50, "caption": 0.20, "short": 0.20, "video": 0.10}
+# video captions: clips of 1 to 3 moving shapes, described; the direction question also on
+# such clips; the picture skills kept in the mix
+VIDEO_CAPTION_BATCH_KINDS = {"video_caption": 0.40, "video_moving": 0.10, "video": 0.10, "caption": 0.15,
+                             "short": 0.15, "json": 0.10}
+VIDEO_KINDS = ("video", "video_moving", "video_caption")
 SHORT_QUESTIONS_PER_PICTURE = 5  # all that question_set gives for 3 objects
 LOOKUP_LAYERS = (1, 3)  # the first two full-attention layers; head 0 of each learns to find the object asked about
 
@@ -78,13 +87,14 @@ def sample_image_qas(rng: random.Random, kind: str, per_picture: int) -> tuple[o
     return image, shapes.question_set(scene, rng, per_picture)
 
 
-def sample_video(rng: random.Random) -> tuple[torch.Tensor, object, shapes.Video]:
+def sample_video(rng: random.Random, moving: bool = False) -> tuple[torch.Tensor, object, shapes.Video]:
     """A clip as the processor takes it (frames, 2-fps metadata), half of them through
-    an MP4 (H.264, 4:2:0) as an uploaded file would arrive."""
+    an MP4 (H.264, 4:2:0) as an uploaded file would arrive. moving: 1 to 3 shapes moving
+    (else the one shape of the direction question)."""
     import numpy as np
     from transformers.video_utils import VideoMetadata
 
-    video = shapes.random_video(rng)
+    video = shapes.random_moving_video(rng) if moving else shapes.random_video(rng)
     frames = video.frames
     if rng.random() < 0.5:
         frames = shapes.decode_video(shapes.encode_mp4(frames))
@@ -105,11 +115,17 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
     exactly as in evaluation; the others are extra supervision for the same look-up)."""
     texts, images, videos, metas, kinds, questions = [], [], [], [], [], []
     for _ in range(size):
-        if kind == "video":
-            pixels, meta, video = sample_video(rng)
+        if kind in VIDEO_KINDS:
+            pixels, meta, video = sample_video(rng, moving=kind != "video")
             videos.append(pixels)
             metas.append(meta)
-            qas, part = [video.question], {"type": "video"}
+            tokens = clip_view(video, meta.total_num_frames).tokens
+            if kind == "video_caption":
+                qa = dataclasses.replace(video.caption, cells=tuple(t for pair in tokens for t in pair))
+            else:
+                i = rng.randrange(len(video.moves)) if kind == "video_moving" else 0
+                qa = dataclasses.replace(video.direction_question(i), cells=tokens[i])
+            qas, part = [qa], {"type": "video"}
         else:
             image, qas = sample_image_qas(rng, kind, per_picture)
             images.append(image)
@@ -129,6 +145,55 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
     return dict(inputs), kinds
 
 
+@dataclasses.dataclass
+class ClipView:
+    """What each of a clip's 2 x 9 tokens (frame pair, cell) shows, as the tower is taught
+    to read it: per token, the shape covering most of its cell over the pair's two frames
+    (0: none; else 1 + its class) and that shape's centre at the pair's mean time relative
+    to the cell's centre, in cells; per moving shape, its main token in each pair
+    (comparing the two is how the model tells which way it moves)."""
+
+    content: list[list[int]]  # [pair][cell]
+    offsets: list[list[tuple[float, float]]]  # [pair][cell]
+    tokens: list[tuple[int, int]]  # per move: pair 0's token, 9 + pair 1's
+
+
+MIN_COVER = 0.2  # share of a shape's area (over the pair's two frames) that makes it what a token shows
+
+
+def clip_view(video: shapes.Video, num_frames: int) -> ClipView:
+    import numpy as np
+
+    times = np.linspace(0, num_frames - 1, recipe.VIDEO_FRAMES).round() / (num_frames - 1)
+    pairs = [times[k : k + 2] for k in range(0, len(times), 2)]
+    content = [[0] * 9 for _ in pairs]
+    offsets = [[(0.0, 0.0)] * 9 for _ in pairs]
+    best = [[0.0] * 9 for _ in pairs]
+    tokens = []
+    for move in video.moves:
+        cell_px = move._cell_px
+        label = 1 + CELL_CLASSES.index((move.shape.kind, move.shape.color, move.shape.size))
+        main = []
+        for p, frame_times in enumerate(pairs):
+            cover = [0.0] * 9
+            for t in frame_times:
+                x, y, side = move.at(float(t)).box
+                for cell in range(9):
+                    r, c = divmod(cell, 3)
+                    w = max(0.0, min(x + side, (c + 1) * cell_px) - max(x, c * cell_px))
+                    h = max(0.0, min(y + side, (r + 1) * cell_px) - max(y, r * cell_px))
+                    cover[cell] += w * h / (side * side * len(frame_times))
+            x, y, side = move.at(float(frame_times.mean())).box
+            for cell in range(9):
+                if cover[cell] >= MIN_COVER and cover[cell] > best[p][cell]:
+                    r, c = divmod(cell, 3)
+                    best[p][cell], content[p][cell] = cover[cell], label
+                    offsets[p][cell] = ((x + side / 2) / cell_px - c - 0.5, (y + side / 2) / cell_px - r - 0.5)
+            main.append(p * 9 + max(range(9), key=cover.__getitem__))
+        tokens.append(tuple(main))
+    return ClipView(content, offsets, tokens)
+
+
 def answer_spans(ids: list[int], header: list[int], im_end: int) -> list[tuple[int, int]]:
     """[start, end) of every assistant answer, up to and including its <|im_end|>."""
     spans = []
@@ -141,9 +206,11 @@ def answer_spans(ids: list[int], header: list[int], im_end: int) -> list[tuple[i
 
 def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shapes.QA]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels = every assistant answer with its <|im_end|>; the rest -100. And the look-up
-    targets, (row, query position, cell): for an answer about one object, the position
-    that predicts the answer's first token; for a caption, each position that predicts an
-    object's size word ("a| small red circle ..."), with that object's cell."""
+    targets, (row, query position, visual token: a picture's cell, or a clip's pair x 9 +
+    cell): for an answer about one object, the position that predicts the answer's first
+    token; for a caption, each position that predicts an object's size word ("a| small red
+    circle ..."), with that object's cell; for a clip, the shape's token in each frame pair,
+    from the positions that predict its direction (and in a caption its size word too)."""
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     size_words = set(tokenizer.convert_tokens_to_ids([f"\u0120{z}" for z in shapes.SIZES]))
@@ -159,6 +226,14 @@ def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shape
                 sizes = [i for i in range(start, end) if ids[i] in size_words]
                 assert len(sizes) == len(qa.cells)
                 targets += [(row, i - 1, cell) for i, cell in zip(sizes, qa.cells)]
+            elif qa.kind == "video_caption":
+                sizes = [i for i in range(start, end) if ids[i] in size_words]
+                moves = positions_after(tokenizer, ids, start, end, "moving ")
+                assert len(sizes) == len(moves) == len(qa.cells) // 2
+                for k, (size, move) in enumerate(zip(sizes, moves)):
+                    targets += [(row, at - 1, token) for at in (size, move) for token in qa.cells[2 * k : 2 * k + 2]]
+            elif qa.kind == "direction":
+                targets += [(row, start - 1, token) for token in qa.cells]
             elif qa.kind == "json":
                 targets += [(row, i - 1, cell) for i, cell in json_value_positions(tokenizer, ids, start, end, qa.cells)]
             elif qa.cells:
@@ -170,18 +245,21 @@ def json_value_positions(tokenizer, ids: list[int], start: int, end: int,
                          cells: tuple[int, ...]) -> list[tuple[int, int]]:
     """In a JSON description, the first token of each shape's colour and shape value, with
     that shape's cell: where the model has to look at the picture."""
+    return [(token, cell) for key in ('"color":"', '"shape":"')
+            for token, cell in zip(positions_after(tokenizer, ids, start, end, key), cells)]
+
+
+def positions_after(tokenizer, ids: list[int], start: int, end: int, key: str) -> list[int]:
+    """The first token of the text right after each occurrence of key in the answer
+    ids[start:end] (the small vocabulary splits words, so this goes by characters)."""
     text, ends = "", []
     for i in range(start, end):  # the text's length after each token
         text = tokenizer.decode(ids[start : i + 1])
         ends.append(len(text))
-    found = []
-    for key in ('"color":"', '"shape":"'):
-        at = -1
-        for cell in cells:
-            at = text.index(key, at + 1)
-            value = at + len(key)
-            token = next(i for i, n in enumerate(ends) if n > value)
-            found.append((start + token, cell))
+    found, at = [], text.find(key)
+    while at >= 0:
+        found.append(start + next(i for i, n in enumerate(ends) if n > at + len(key)))
+        at = text.find(key, at + 1)
     return found
 
 
@@ -237,8 +315,39 @@ class CellBatches(torch.utils.data.IterableDataset):
                 clips = [sample_video(rng) for _ in range(max(1, self.batch_size // 2))]
                 out = self.processor.video_processor(videos=[c[0] for c in clips], video_metadata=[c[1] for c in clips],
                                                      return_tensors="pt", **VIDEO_KWARGS)
-                labels = [shapes.DIRECTIONS.index(c[2].direction) for c in clips]
+                labels = [shapes.DIRECTIONS.index(c[2].moves[0].direction) for c in clips]
                 yield step, "video", out["pixel_values_videos"], out["video_grid_thw"], torch.tensor(labels)
+            else:
+                images, labels = [], []
+                for _ in range(self.batch_size):
+                    scene = shapes.random_scene(rng)
+                    images.append(shapes.through_file(shapes.render(scene, rng), rng))
+                    labels.append(cell_labels(scene))
+                out = self.processor.image_processor(images=images, return_tensors="pt")
+                yield step, "image", out["pixel_values"], out["image_grid_thw"], torch.tensor(labels)
+            step += 1
+
+
+class ClipBatches(torch.utils.data.IterableDataset):
+    """Batches of the clips phase, (step, kind, pixels, grid, labels): clips of 1 to 3
+    moving shapes with, per frame pair and cell, what the token shows and where (clip_view:
+    content [B, pairs, 9], offsets [B, pairs, 9, 2]), and pictures with the content of each
+    cell, as in phase 1."""
+
+    def __init__(self, processor, seed: int, start: int, batch_size: int) -> None:
+        self.processor, self.seed, self.start, self.batch_size = processor, seed, start, batch_size
+
+    def __iter__(self):
+        step = self.start
+        while True:
+            rng = random.Random(f"{self.seed}-clips-{step}")
+            if step % 2:
+                clips = [sample_video(rng, moving=True) for _ in range(max(1, self.batch_size // 2))]
+                out = self.processor.video_processor(videos=[c[0] for c in clips], video_metadata=[c[1] for c in clips],
+                                                     return_tensors="pt", **VIDEO_KWARGS)
+                views = [clip_view(c[2], c[1].total_num_frames) for c in clips]
+                labels = (torch.tensor([v.content for v in views]), torch.tensor([v.offsets for v in views]))
+                yield step, "clip", out["pixel_values_videos"], out["video_grid_thw"], labels
             else:
                 images, labels = [], []
                 for _ in range(self.batch_size):
@@ -260,13 +369,20 @@ class VisionHeads(torch.nn.Module):
         super().__init__()
         self.cell = torch.nn.Linear(dim, len(CELL_CLASSES) + 1 + 9)
         self.direction = torch.nn.Linear(2 * dim, len(shapes.DIRECTIONS))
+        self.offset = torch.nn.Linear(dim, 2)  # clips: where the shape is within the token's cell
 
     def forward(self, model, kind: str, pixels: torch.Tensor, grid: torch.Tensor):
-        """Pictures: ([B, 9, classes], [B, 9, 9]); clips: [B, 4]."""
+        """Pictures: ([B, 9, classes], [B, 9, 9]); clips, per frame pair ("clip"): the same
+        with a pair dimension, [B, pairs, 9, ...], and offsets [B, pairs, 9, 2]; or their
+        direction ("video"): [B, 4]."""
         tokens = model.model.visual(pixels, grid_thw=grid).pooler_output.float()
         if kind == "video":
             pairs = tokens.view(len(grid), -1, 9, tokens.shape[-1]).mean(2)  # [B, frame pairs, dim]
             return self.direction(pairs.flatten(1))
+        if kind == "clip":
+            tokens = tokens.view(len(grid), -1, 9, tokens.shape[-1])
+            logits = self.cell(tokens)
+            return logits[..., : len(CELL_CLASSES) + 1], logits[..., len(CELL_CLASSES) + 1 :], self.offset(tokens)
         logits = self.cell(tokens.view(-1, 9, tokens.shape[-1]))
         return logits[..., : len(CELL_CLASSES) + 1], logits[..., len(CELL_CLASSES) + 1 :]
 
@@ -300,28 +416,26 @@ class LookupProbe:
     """Captures the attention probabilities of the chosen full-attention layers (eager
     attention returns them) for the look-up loss: head 0 is told where to look."""
 
-    def __init__(self, model, layers: tuple[int, ...], image_token_id: int) -> None:
+    def __init__(self, model, layers: tuple[int, ...], visual_token_ids: tuple[int, ...]) -> None:
         self.maps: dict[int, torch.Tensor] = {}
-        self.image_token_id = image_token_id
+        self.visual_token_ids = visual_token_ids
         for i in layers:
             attn = model.model.language_model.layers[i].self_attn
             attn.register_forward_hook(lambda _m, _a, out, i=i: self.maps.__setitem__(i, out[1]))
 
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lookup_loss(list(self.maps.values()), input_ids, targets, self.image_token_id)
+        return lookup_loss(list(self.maps.values()), input_ids, targets, self.visual_token_ids)
 
 
 def lookup_loss(maps: list[torch.Tensor], input_ids: torch.Tensor, targets: torch.Tensor,
-                image_token_id: int) -> torch.Tensor:
-    """Mean over targets (row, query, cell) and maps [B, heads, L, L] of -log(head 0's
-    attention mass from the query on the image tokens of the cell)."""
-    rows, queries, cells = targets.unbind(1)
-    # the cell of every image token (raster order within its row), -1 elsewhere
-    per_image = token_cells()
-    is_image = input_ids == image_token_id
-    order = (is_image.long().cumsum(1) - 1).clamp(0, len(per_image) - 1)
-    cell_of = torch.where(is_image, per_image[order], -1)
-    mask = (cell_of[rows] == cells[:, None]).float()  # [targets, positions]
+                visual_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """Mean over targets (row, query, visual token) and maps [B, heads, L, L] of -log(head
+    0's attention mass from the query on that token. A row holds one picture or clip, so
+    its n-th visual token is the picture's cell n, or the clip's frame pair n // 9, cell n % 9."""
+    rows, queries, tokens = targets.unbind(1)
+    is_visual = torch.isin(input_ids, torch.tensor(visual_token_ids))
+    ordinal = torch.where(is_visual, is_visual.long().cumsum(1) - 1, -1)
+    mask = (ordinal[rows] == tokens[:, None]).float()  # [targets, positions]
     losses = [-(m[rows, 0, queries] * mask).sum(-1).clamp(min=1e-6).log().mean() for m in maps]
     return torch.stack(losses).mean()
 
@@ -384,8 +498,16 @@ def main() -> None:
     ap.add_argument("--caption-lr", type=float, default=3e-4)
     ap.add_argument("--json-steps", type=int, default=0, help="phase 5 (JSON answers); the shipped model: see README")
     ap.add_argument("--json-lr", type=float, default=3e-4)
+    ap.add_argument("--clip-steps", type=int, default=0,
+                    help="the clips phase: the tower learns what each token of a clip of moving shapes shows "
+                         "(after phase 1, or first with --init-from); the shipped model: see docs/models.md")
+    ap.add_argument("--clip-lr", type=float, default=5e-4)
+    ap.add_argument("--video-caption-steps", type=int, default=0,
+                    help="phase 6 (video captions); the shipped model: see docs/models.md")
+    ap.add_argument("--video-caption-lr", type=float, default=3e-4)
     ap.add_argument("--init-from", type=Path, default=None,
-                    help="an exported model to start from, at the JSON phase (how the shipped model got it)")
+                    help="an exported model to start from, at the phases after the captions' (JSON, video captions: "
+                         "how the shipped model got them)")
     ap.add_argument("--lookup-weight", type=float, default=1.0,
                     help="weight of the look-up attention loss (0: answers only)")
     ap.add_argument("--seed", type=int, default=1)
@@ -425,8 +547,8 @@ def main() -> None:
         tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
             raise ValueError(f"{args.init_from} does not fit this recipe: missing {missing}, unexpected {unexpected}")
-        state.update(phase="json", step=0)
-        logger.info("starting from %s at the JSON phase", args.init_from)
+        state.update(phase="clips" if args.clip_steps else "json", step=0)
+        logger.info("starting from %s at the %s phase", args.init_from, state["phase"])
     (args.out / "run.json").write_text(json.dumps(vars(args), default=str, indent=1))
     logger.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
 
@@ -438,17 +560,24 @@ def main() -> None:
         save_state(state_path, {"phase": phase, "step": step, "log": state["log"], "model": model.state_dict(),
                                 "head": head.state_dict(), "optimizer": optimizer.state_dict()})
 
-    if state["phase"] == "vision":
-        params = list(model.model.visual.parameters()) + list(head.parameters())
-        optimizer = torch.optim.AdamW(params, lr=args.vision_lr, weight_decay=0.01)
-        if "optimizer" in state:
-            optimizer.load_state_dict(state["optimizer"])
-        step = train_vision(args, model, head, processor, optimizer, state, stop, checkpoint)
-        if stop["now"]:
-            checkpoint(optimizer, "vision", step)
-            logger.info("stopped at vision step %d; rerun the same command to resume", step)
-            return
-        state.update(phase="vlm", step=0)
+    vision_phases = [VisionPhase("vision", args.vision_steps, args.vision_lr, 50, 1.0),
+                     VisionPhase("clips", args.clip_steps, args.clip_lr, 30, 4.0)]
+    for phase in vision_phases[[p.name for p in vision_phases].index(state["phase"]):] \
+            if state["phase"] in ("vision", "clips") else []:
+        if phase.steps:
+            # the clips phase's heads are new (phase 1's are not in an exported model)
+            optimizer = torch.optim.AdamW([{"params": list(model.model.visual.parameters()), "scale": 1.0},
+                                           {"params": list(head.parameters()), "scale": phase.head_scale}],
+                                          lr=phase.lr, weight_decay=0.01)
+            if "optimizer" in state:
+                optimizer.load_state_dict(state["optimizer"])
+            step = train_vision(args, phase, model, head, processor, optimizer, state, stop, checkpoint)
+            if stop["now"]:
+                checkpoint(optimizer, phase.name, step)
+                logger.info("stopped at %s step %d; rerun the same command to resume", phase.name, step)
+                return
+        # after phase 1 the text phases from the first; after an exported model's clips, from JSON
+        state.update(phase="clips" if phase.name == "vision" else ("json" if args.init_from else "vlm"), step=0)
         state.pop("optimizer", None)
 
     # the tower stays as phase 1 left it: no backward through it, more steps in the budget
@@ -460,19 +589,24 @@ def main() -> None:
     phases = [TextPhase("vlm", args.steps, args.lr, args.warmup, BATCH_KINDS),
               TextPhase("lookup", args.lookup_steps, args.lookup_lr, 30, LOOKUP_BATCH_KINDS),
               TextPhase("caption", args.caption_steps, args.caption_lr, 20, CAPTION_BATCH_KINDS),
-              TextPhase("json", args.json_steps, args.json_lr, 50, JSON_BATCH_KINDS)]
+              TextPhase("json", args.json_steps, args.json_lr, 50, JSON_BATCH_KINDS),
+              TextPhase("video_caption", args.video_caption_steps, args.video_caption_lr, 50,
+                        VIDEO_CAPTION_BATCH_KINDS)]
     # a fixed validation set from a seed training never uses
     val_rng = random.Random(f"validation-{args.seed}")
     val = [make_batch(processor, val_rng, kind, args.val_size) for kind in ("caption", "short", "short", "short", "video")]
-    if args.json_steps:  # its own seed: the other five batches stay those of earlier runs
-        val.append(make_batch(processor, random.Random(f"validation-json-{args.seed}"), "json", args.val_size))
+    for kind, steps in (("json", args.json_steps), ("video_caption", args.video_caption_steps)):
+        if steps:  # its own seed: the other batches stay those of earlier runs
+            val.append(make_batch(processor, random.Random(f"validation-{kind}-{args.seed}"), kind, args.val_size))
     probe = None
     if args.lookup_weight > 0:
         # the probe reads attention probabilities; the (frozen) tower keeps sdpa
         model.set_attn_implementation({"text_config": "eager"})
-        probe = LookupProbe(model, LOOKUP_LAYERS, config.image_token_id)
+        probe = LookupProbe(model, LOOKUP_LAYERS, (config.image_token_id, config.video_token_id))
     names = [p.name for p in phases]
     for i in range(names.index(state["phase"]), len(phases)):
+        if not phases[i].steps:
+            continue
         step = train_text(args, phases[i], model, processor, optimizer, val, state, stop, checkpoint, probe)
         checkpoint(optimizer, phases[i].name, step)
         if step < phases[i].steps:
@@ -488,45 +622,65 @@ def main() -> None:
         logger.info("done: exported to %s", args.out / "model")
 
 
-def train_vision(args, model, head, processor, optimizer, state, stop, checkpoint) -> int:
+@dataclasses.dataclass(frozen=True)
+class VisionPhase:
+    """A phase that trains the tower (and the read-out heads) on what each token shows:
+    phase 1 ("vision": pictures, then clips' direction too) or the clips phase ("clips":
+    clips' content per frame pair and cell, beside pictures)."""
+
+    name: str
+    steps: int
+    lr: float
+    warmup: int
+    head_scale: float  # the heads' learning rate over the tower's
+
+
+def train_vision(args, phase: VisionPhase, model, head, processor, optimizer, state, stop, checkpoint) -> int:
     import torch.nn.functional as F
 
-    loader = torch.utils.data.DataLoader(CellBatches(processor, args.seed, state["step"], args.vision_batch_size,
-                                                     args.vision_steps),
-                                         batch_size=None, num_workers=1, prefetch_factor=4)
+    batches = (CellBatches(processor, args.seed, state["step"], args.vision_batch_size, phase.steps)
+               if phase.name == "vision" else ClipBatches(processor, args.seed, state["step"], args.vision_batch_size))
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1, prefetch_factor=4)
     model.train()
     last_save, t0, start = time.time(), time.time(), state["step"]
     step = start
     params = [p for group in optimizer.param_groups for p in group["params"]]
     cells = token_cells()
-    directions_right = None
+    pictures_right = clips_right = None
     for step, kind, pixels, grid, labels in loader:
-        if step >= args.vision_steps or stop["now"]:
+        if step >= phase.steps or stop["now"]:
             break
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.vision_steps, args.vision_lr, 50)
+            group["lr"] = lr_at(step, phase.steps, phase.lr, phase.warmup) * group["scale"]
         with mixed_precision(args.bf16):
             out = head(model, kind, pixels, grid)
-        entry = {"phase": "vision", "step": step + 1, "kind": kind}
+        entry = {"phase": phase.name, "step": step + 1, "kind": kind}
         if kind == "video":
             loss = F.cross_entropy(out.float(), labels)
-            directions_right = entry["directions_right"] = round((out.argmax(-1) == labels).float().mean().item(), 3)
+            clips_right = entry["directions_right"] = round((out.argmax(-1) == labels).float().mean().item(), 3)
         else:
-            logits, places = out
+            logits, places = out[:2]
+            if kind == "clip":
+                labels, offsets = labels
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss = loss + 0.2 * F.cross_entropy(places.float().reshape(-1, 9), cells.repeat(len(labels)))
+            loss = loss + 0.2 * F.cross_entropy(places.float().reshape(-1, 9), cells.repeat(labels.numel() // 9))
+            if kind == "clip":  # where each shape is, and the share of tokens read right
+                shown = labels > 0
+                loss = loss + 4.0 * F.mse_loss(out[2].float()[shown], offsets[shown])
+                clips_right = entry["tokens_right"] = round((logits.argmax(-1) == labels).float().mean().item(), 3)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         entry.update(loss=round(loss.item(), 4), time=round(time.time() - t0, 1))
-        if kind == "image" and (step + 1) % 20 == 0:
-            entry["pictures_right"] = round((logits.argmax(-1) == labels).all(-1).float().mean().item(), 3)
-            logger.info("vision step %d loss %.3f pictures right %.2f, clips right %s (%.2fs/step)", step + 1,
-                        loss.item(), entry["pictures_right"], directions_right, (time.time() - t0) / (step + 1 - start))
+        if kind == "image":
+            pictures_right = entry["pictures_right"] = round((logits.argmax(-1) == labels).all(-1).float().mean().item(), 3)
+        if (step + 1) % 20 == 0:
+            logger.info("%s step %d loss %.3f pictures right %s, clips right %s (%.2fs/step)", phase.name, step + 1,
+                        loss.item(), pictures_right, clips_right, (time.time() - t0) / (step + 1 - start))
         state["log"].append(entry)
         if time.time() - last_save > args.save_minutes * 60:
-            checkpoint(optimizer, "vision", step + 1)
+            checkpoint(optimizer, phase.name, step + 1)
             last_save = time.time()
         step += 1
     return step
@@ -563,7 +717,7 @@ def train_text(args, phase: TextPhase, model, processor, optimizer, val, state, 
         with mixed_precision(args.bf16):
             loss = model(**inputs).loss
         losses = {kind: loss}
-        if probe is not None and len(targets):  # video batches have none
+        if probe is not None and len(targets):
             losses["lookup"] = probe.loss(inputs["input_ids"], targets)
             loss = loss + args.lookup_weight * losses["lookup"]
         loss.backward()

@@ -25,8 +25,12 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # every chunk carries its choice's running usage (with include_usage)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -71,7 +75,9 @@ class SamplingRequest(BaseModel):
     """Fields shared by chat and text completions (vLLM-style extensions included).
     Ranges are checked by SamplingParams, in one place for the API and `LLM`."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # unknown fields are kept (and logged once per name as ignored, as vLLM does): a client's
+    # typo is visible
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
@@ -103,12 +109,42 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     user: str | None = None
+    # vLLM's extensions
+    prompt_logprobs: int | None = None  # logprobs of the prompt's tokens (-1: the whole vocabulary)
+    return_token_ids: bool = False  # the prompt's and the answer's token ids in the response
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: as many as fit)
+
+    @property
+    def ignored_fields(self) -> set[str]:
+        return set(self.model_extra or {})
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_range(self):
+        p = self.prompt_logprobs
+        if p is not None and p < -1:
+            raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        if p is not None and p > MAX_LOGPROBS:
+            raise ValueError(f"Requested prompt logprobs of {p}, which is greater than max allowed: {MAX_LOGPROBS}")
+        if p is not None and p != 0 and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        t = self.truncate_prompt_tokens
+        if t is not None and t < 1 and t != -1:
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}")
+        return self
+
+    def include_usage(self) -> tuple[bool, bool]:
+        """Whether a stream ends with the usage, and whether every chunk carries it."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return False, False
+        return True, options.continuous_usage_stats
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, from whichever field it used."""
@@ -167,6 +203,7 @@ class SamplingRequest(BaseModel):
             min_p=pick(self.min_p, "min_p", 0.0),
             bad_words=list(self.bad_words or []),
             structured_outputs=self.structured_outputs_params(),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -176,6 +213,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the answer continues the last (assistant) message
+    echo: bool = False  # the answer starts with the last message, if it is in the answer's role
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -188,38 +227,78 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         return self
 
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.uses_tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def response_role(self) -> str:
+        """The role of the answer: the assistant's, or, continuing the last message, its role."""
+        return "assistant" if self.add_generation_prompt else str(self.messages[-1].get("role", "assistant"))
+
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= 20:
-            raise ValueError("top_logprobs must be between 0 and 20")
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}")
         return v
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]
+    # one prompt or several, as text or as token ids; a choice per prompt and sample
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the answer starts with the prompt (and its logprobs with the prompt's)
 
     @field_validator("logprobs")
     @classmethod
     def _logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
         return v
 
-    @field_validator("echo")
+    @field_validator("prompt")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
+    def _some_prompt(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("You must pass at least one prompt")
+        if isinstance(v, list) and any(isinstance(t, int) and t < 0 for p in v for t in (p if isinstance(p, list)
+                                                                                              else [p])):
+            raise ValueError("token ids must be non-negative")
         return v
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt, or chat messages as the template renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]

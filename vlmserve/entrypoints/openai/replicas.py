@@ -111,11 +111,13 @@ class ReplicaHub:
 class EngineReplica:
     """One engine (an AsyncLLM) in a Ray Serve replica."""
 
-    def __init__(self, engine_args: EngineArgs, max_pending_requests: int, threads: int) -> None:
+    def __init__(self, engine_args: EngineArgs, max_pending_requests: int, threads: int,
+                 served_model_name: str | None = None, metrics_names: str = "vllm") -> None:
         import torch
 
         torch.set_num_threads(max(1, threads))
-        self.engine = AsyncLLM(engine_args, max_pending_requests=max_pending_requests)
+        self.engine = AsyncLLM(engine_args, max_pending_requests=max_pending_requests,
+                               served_model_name=served_model_name, metrics_names=metrics_names)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.hub = ray.get_actor(HUB, namespace=APP)
         self.given_up: dict[str, float] = {}  # request id -> when the ingress gave up on it
@@ -158,6 +160,9 @@ class EngineReplica:
         finally:
             await outputs.aclose()
 
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        return await self.engine.prompt_token_ids(prompt)
+
     def info(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len}
 
@@ -199,8 +204,13 @@ class ReplicaPool:
     def tokenizer(self):
         return self.hf_processor.tokenizer
 
-    def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None) -> PromptInput:
-        return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools)
+    def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None,
+                    continue_final_message=False) -> PromptInput:
+        return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools,
+                           continue_final_message)
+
+    async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
+        return await self.handle.prompt_token_ids.remote(prompt)
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -345,7 +355,8 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
     hub = ReplicaHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
     deployment = serve.deployment(EngineReplica, name="engine").options(**replica_options(args))
     threads = max(1, int(args.replica_cpus))
-    handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads), name=APP,
+    handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads, args.served_model_name,
+                                       args.metrics_names), name=APP,
                        route_prefix=None)
     model_path = resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
     from transformers import AutoProcessor

@@ -122,9 +122,10 @@ class ToolCallStream:
     at once; a call goes out whole when its block closes; a possible start of a block is
     held back until it is known."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
         self.sent = 0  # characters of the text consumed
         self.num_calls = 0
+        self.forced = forced  # the answer is one forced call: an unfinished block is dropped, not text
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         """The full text so far -> (new content, newly completed calls)."""
@@ -152,6 +153,8 @@ class ToolCallStream:
                 continue
             break  # the block is still open
         self.num_calls += len(calls)
+        if self.forced:  # the grammar makes the whole answer the call: anything else is its markup, cut short
+            return "", calls
         return "".join(content), calls
 
 

@@ -1,0 +1,99 @@
+// y = x W^T + b for a few rows of x (decode: one to a few tokens) and a bf16 weight: a
+// matrix-vector product, bound by how fast the weight streams from memory. torch's bf16
+// path (oneDNN) reads it at about half of what this CPU can; here each thread streams its
+// own band of weight rows once, four at a time, each loaded 32 bf16 at a time and
+// multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;     // rows of x per call (more: a matmul is the better tool)
+constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
+constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
+
+bool supported(const at::Tensor& x, const at::Tensor& weight) {
+#if defined(__AVX512BF16__)
+  return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+         weight.is_contiguous() && weight.size(1) % 32 == 0 && x.size(-1) == weight.size(1) &&
+         x.numel() / x.size(-1) <= kMaxRows;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// out[m][n] for n in [n0, n1), M rows of x (bf16, K each), fp32 results.
+template <int M>
+void gemv_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+  for (; n + kBand <= n1; n += kBand) {
+    __m512 acc[M][kBand];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kBand; ++j) acc[m][j] = _mm512_setzero_ps();
+    const uint16_t* rows = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int j = 0; j < kBand; ++j) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(rows + j * K + k);
+        for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kBand; ++j) out[m * N + n + j] = _mm512_reduce_add_ps(acc[m][j]);
+  }
+  for (; n < n1; ++n) {  // the band's last rows, one at a time
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * K + k);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
+  }
+}
+#endif
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x of at most 4 rows, a contiguous bf16 weight [N, K] with "
+              "K a multiple of 32, on a CPU with AVX512-BF16");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const int64_t M = x.numel() / K;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  float* op = acc.data_ptr<float>();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: gemv_band<1>(xp, wp, K, N, n0, n1, op); break;
+      case 2: gemv_band<2>(xp, wp, K, N, n0, n1, op); break;
+      case 3: gemv_band<3>(xp, wp, K, N, n0, n1, op); break;
+      default: gemv_band<4>(xp, wp, K, N, n0, n1, op); break;
+    }
+  });
+#endif
+  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return acc.to(at::kBFloat16).view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
+  m.def("bf16_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
+  m.impl("bf16_gemv", &bf16_gemv);
+}
