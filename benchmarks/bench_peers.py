@@ -217,17 +217,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def write_workload(folder: Path, model: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool]:
+def write_workload(folder: Path, model: str, workload: str, n: int) -> tuple[list[dict[str, Any]], bool]:
     """The pictures as PNG files and workload.json: per request the prompt text (the
     checkpoint's own chat template), its picture files and max_tokens; and whether the
     requests go one at a time."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
-    if args.workload == "mixed":
-        (requests, pictures), sequential = peer_workload(args.requests), False
+    if workload == "mixed":
+        (requests, pictures), sequential = peer_workload(n), False
     else:
-        requests, pictures, sequential = scale_workload(args.workload, args.requests)
+        requests, pictures, sequential = scale_workload(workload, n)
     files = []
     for i, picture in enumerate(pictures):
         files.append(str(folder / f"picture-{i:02d}.png"))
@@ -403,7 +403,7 @@ def main() -> None:
         limits = machine_limits(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
-        spec, sequential = write_workload(folder, model, args)
+        spec, sequential = write_workload(folder, model, args.workload, args.requests)
         engines, notes = plan_engines(args, model, folder, spec)
         try:
             start(engines, folder)

@@ -239,7 +239,7 @@ def plan_servers(args: argparse.Namespace, model: str) -> tuple[list[ServerSpec]
 
 def start_offline(args: argparse.Namespace, model: str, folder: Path) -> OfflineReference:
     """bench_peers.py's vlmserve worker on the same requests (pictures as PNG files), warmed up once."""
-    write_workload(folder, model, args.requests)
+    write_workload(folder, model, "mixed", args.requests)
     command = [sys.executable, str(WORKERS / "vlmserve_worker.py"), "--workload", str(folder / "workload.json"),
                "--model", model, "--dtype", args.dtype, "--threads", str(args.threads)]
     worker = Worker("offline", command, {**os.environ, "OMP_NUM_THREADS": str(args.threads)}, folder / "offline.log")

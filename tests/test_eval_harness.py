@@ -21,8 +21,6 @@ from vlmserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-pytest.importorskip("lm_eval")
-
 MC_DOCS = [
     {"question": "A small red circle is", "choices": ["in the top left", "moving up", "blue"], "label": 0},
     {"question": "How many shapes are there?", "choices": ["one", "two", "three"], "label": 1},

@@ -382,7 +382,8 @@ def test_metrics_lists_every_series(server):
         assert re.search(rf'^vllm:{name}{{.*engine="0".*}} ', text, re.M), name
     assert re.search(r'^vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"} ', text,
                      re.M) or re.search(r'^vllm:request_success_total{.*finished_reason="length".*} ', text, re.M)
-    assert re.search(r'^vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"}', text, re.M)
+    assert re.search(r'^vllm:time_to_first_token_seconds_bucket{engine="0",(replica="[^"]+",)?le="0.001",'
+                     r'model_name="tiny"', text, re.M)
     # vlmserve's own keep their names
     for name in ("kv_cache_blocks_in_use", "prefix_cache_group_queries_total", "encoder_cache_misses_total",
                  "processor_cache_misses_total", "state_slots_in_use"):

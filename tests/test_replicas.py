@@ -177,7 +177,7 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
     client = server.client()
     running = lambda: sum(replica_series(server, "num_requests_running").values())  # noqa: E731
     wait_for(lambda: running() == 0, what="earlier requests to end")
-    stream = client.chat.completions.create(model="tiny", max_tokens=5000, temperature=0, stream=True,
+    stream = client.chat.completions.create(model="tiny", max_tokens=3000, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True},
                                             messages=[{"role": "user", "content": "Tell a long story. " * 3}])
     chunks = iter(stream)
@@ -204,7 +204,7 @@ def test_a_replica_killed_mid_stream(server):
     client = server.client()
     running = lambda: replica_series(server, "num_requests_running")  # noqa: E731
     wait_for(lambda: len(running()) == 2 and not any(running().values()), what="earlier requests to end")
-    stream = client.chat.completions.create(model="tiny", max_tokens=5000, temperature=0, stream=True,
+    stream = client.chat.completions.create(model="tiny", max_tokens=3000, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True},
                                             messages=[{"role": "user", "content": "Describe the image. " * 3}])
     chunks = iter(stream)
