@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import ops
+from vlmserve.kernels.quantized_linear import QuantizedWeight, quantizable, quantize
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -40,14 +41,28 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear`, so that a device can run it on a prepacked copy of
-    the weight (`pack()`, called once after the weights are loaded)."""
+    the weight (`pack()`), or on a low-bit copy in its place (`quantize()`); either is
+    called once after the weights are loaded."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def pack(self) -> None:
-        self.packed_weight = ops.pack_linear_weight(self.weight)
+        if self.quantized is None:
+            self.packed_weight = ops.pack_linear_weight(self.weight)
+
+    def quantize(self, method: str) -> bool:
+        """Replaces the weight by its quantized form (weight-only: activations keep their
+        dtype); False where the layer's shape doesn't suit the method."""
+        if not quantizable(self.weight, method):
+            return False
+        self.quantized = ops.prepare_quantized_weight(quantize(self.weight, method))
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return ops.quantized_linear(x, self.quantized, self.bias)
         return ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 

@@ -38,6 +38,10 @@ class EngineArgs:
     # keep a prepacked copy of each linear weight (oneDNN's layout on CPU): faster batched
     # matmuls; taken only when the copies fit in a quarter of the machine's memory
     pack_weights: bool = True
+    # int8 or int4: quantize the language layers' linear weights as they load (weight-only:
+    # int8 per output channel, int4 in groups of 128 inputs); decoding reads 1/2 or 1/4
+    # of the bytes. The vision tower, embeddings and output head stay in --dtype
+    quantization: str | None = None
     max_model_len: int | None = None  # context length (default: the model's, capped by the KV cache)
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens one step computes at most
@@ -97,6 +101,21 @@ class EngineArgs:
         if self.use_triton and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError("--use-triton on the CPU runs Triton's interpreter, which has to be on before triton "
                               "is imported: start with VLMSERVE_USE_TRITON=1 in the environment instead")
+
+    def check_quantization(self, hf_config: Any) -> None:
+        """A method vlmserve has, on a checkpoint it can load (published low-bit formats
+        are not loaded yet: one line naming the format)."""
+        from vlmserve.kernels.quantized_linear import METHODS
+
+        if self.quantization is not None and self.quantization not in METHODS:
+            raise ConfigError(f"--quantization {self.quantization}: vlmserve quantizes to {' or '.join(METHODS)}")
+        published = getattr(hf_config, "quantization_config", None)
+        if published:
+            get = published.get if isinstance(published, dict) else lambda k, d=None: getattr(published, k, d)
+            method, bits = get("quant_method", "unknown"), get("bits")
+            raise ConfigError(f"the checkpoint is quantized with {method}{f' ({bits}-bit)' if bits else ''}, "
+                              f"a format vlmserve does not load; load its bf16 release with --quantization "
+                              f"{' or '.join(METHODS)}")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

@@ -135,7 +135,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     if speculative and speculative.method == "draft_model":
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
-    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights)
+    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
+                                   args.quantization)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     draft_model, draft_groups = None, []

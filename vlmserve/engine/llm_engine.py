@@ -63,6 +63,7 @@ class LLMEngine:
             logger.info("sampling defaults from the checkpoint's generation_config.json: %s "
                         "(--generation-config vlmserve ignores them)", self.sampling_defaults)
         hf_config = AutoConfig.from_pretrained(self.model_path)
+        args.check_quantization(hf_config)
         self.hf_config = hf_config
         media_loader = MediaLoader(args.media_limits())
         self.mm_processor = MultiModalProcessor(

@@ -76,10 +76,11 @@ def table(results: dict[str, tuple[int, int]]) -> str:
     return "\n".join(lines)
 
 
-def run_vlmserve(model: str | None, items: list[Item], dtype: str) -> tuple[list[str], float]:
+def run_vlmserve(model: str | None, items: list[Item], dtype: str,
+                 quantization: str | None = None) -> tuple[list[str], float]:
     from vlmserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, dtype=dtype, quantization=quantization)
     start = time.time()
     outs = llm.chat([chat_for(i) for i in items], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs], time.time() - start
@@ -113,6 +114,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--video-captions", type=int, default=200, help="clips of 1 to 3 moving shapes to describe")
     p.add_argument("--seed", default=HELD_OUT_SEED)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the language layers at load (as serve's --quantization)")
     p.add_argument("--compare-transformers", type=int, default=0, metavar="N",
                    help="also answer the first N pictures with transformers (fp32) and compare")
 
@@ -122,10 +125,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
     model = resolve_model_path(args.model)
     items = held_out_set(args.pictures, args.videos, args.seed, args.video_captions)
-    answers, seconds = run_vlmserve(model, items, args.dtype)
+    answers, seconds = run_vlmserve(model, items, args.dtype, args.quantization)
     results = score(items, answers)
     print(f"held-out set (seed {args.seed!r}): {args.pictures} pictures, {args.videos + args.video_captions} videos, "
-          f"{len(items)} questions, answered in {seconds:.1f}s through vlmserve")
+          f"{len(items)} questions, answered in {seconds:.1f}s through vlmserve"
+          + (f" ({args.quantization} weights)" if args.quantization else ""))
     print(table(results))
     wrong = [(i, a) for i, a in zip(items, answers)
              if shapes.normalize_answer(a) != shapes.normalize_answer(i.answer)]

@@ -107,12 +107,25 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
     return extra if any(m.packed_weight is not None for m in linears) else 0
 
 
+def quantize_linear_weights(model: nn.Module, method: str) -> tuple[int, int]:
+    """Quantizes the linear layers of the language model (the vision tower, embeddings
+    and output head keep their dtype, as vLLM's weight-only methods leave them). Returns
+    the weights' bytes before and after."""
+    before = after = 0
+    for module in model.model.language_model.modules():
+        if isinstance(module, Linear):
+            size = module.weight.numel() * module.weight.element_size()
+            if module.quantize(method):
+                before, after = before + size, after + module.quantized.nbytes
+    return before, after
+
+
 def load_model(
     model_path: str | Path, dtype: str | torch.dtype, kernels: KernelTable, device: str = "cpu",
-    pack_weights: bool = True,
+    pack_weights: bool = True, quantization: str | None = None,
 ) -> tuple[nn.Module, object]:
-    """The model in dtype on the device, its weights packed for `kernels` (the engine's
-    kernel table), and its HF config."""
+    """The model in dtype on the device, its language layers quantized if asked, its
+    weights packed for `kernels` (the engine's kernel table), and its HF config."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if not isinstance(dtype, torch.dtype):
@@ -123,11 +136,16 @@ def load_model(
     model.load_weights(iter_safetensors(model_path))
     model = model.to(device=device).eval()  # params were created in dtype; fp32 buffers stay fp32
     model.requires_grad_(False)
+    num_params = sum(p.numel() for p in model.parameters())
+    if quantization:
+        with use_kernels(kernels):
+            before, after = quantize_linear_weights(model, quantization)
+        logger.info("quantized the language layers to %s: %.2f GB of linear weights -> %.2f GB", quantization,
+                    before / 1e9, after / 1e9)
     if pack_weights:
         with use_kernels(kernels):
             packed = pack_linear_weights(model)
         logger.debug("packed linear weights: %.1f MB", packed / 1e6)
-    num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%.1fM parameters, %s) in %.2fs",
         model_cls.__name__, num_params / 1e6, dtype, time.perf_counter() - start,

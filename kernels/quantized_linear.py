@@ -1,0 +1,127 @@
+"""Weight-only quantized linear layers: a bf16/fp32 weight quantized once at load to int8
+(one scale per output channel) or int4 (asymmetric, one scale and zero point per group of
+128 inputs), and the matmul on it.
+
+Decoding reads every weight once per step, so 8-bit weights read half the bytes of bf16
+and 4-bit ones a quarter. On the CPU few rows (a decoding batch) run on torch's
+packed-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); many rows
+(a prefill) are bound by compute, where those kernels are several times slower than a
+bf16 matmul (measured, docs/kernels.md), so the weight is dequantized on the fly and
+multiplied in the activations' dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlmserve.kernels.registry import register
+
+METHODS = ("int8", "int4")
+INT4_GROUP = 128
+PACKED_MAX_ROWS = 8  # up to this many rows the CPU's packed-weight kernels win (measured)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out, in] weight, quantized. int8: `data` int8 [out, in], `scales` [out].
+    int4: `scales` and `zeros` [out, in / 128], w = q * scale + zero, and `data` the
+    values two to a byte in one of two layouts: "plain", [out, in / 2] with input 2j in the
+    low nibble and 2j + 1 in the high one; or "cpu_blocked", torch's CPU kernel's (for
+    each block of 64 outputs, input-major, outputs j and j + 32 of the block in one byte's
+    low and high nibbles), where the scales and zeros are kept as that kernel takes them:
+    `scales` [in / 128, out, 2] of (scale, zero + 8 * scale), `zeros` None."""
+
+    method: str
+    shape: tuple[int, int]
+    dtype: torch.dtype  # the activations' (and the dequantized weight's) dtype
+    data: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    layout: str = "plain"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
+
+
+def quantizable(weight: torch.Tensor, method: str) -> bool:
+    """int4 needs whole groups of 128 inputs."""
+    return method == "int8" or weight.shape[1] % INT4_GROUP == 0
+
+
+def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    """Round-to-nearest quantization of a [out, in] weight (computed in fp32)."""
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
+    w = weight.detach().float()
+    shape, dtype = (w.shape[0], w.shape[1]), weight.dtype
+    if method == "int8":
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight(method, shape, dtype, q, scales.to(dtype))
+    groups = w.view(shape[0], shape[1] // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(shape)
+    return QuantizedWeight(method, shape, dtype, q[:, 0::2] | (q[:, 1::2] << 4), scales.to(dtype), low.to(dtype))
+
+
+def int4_values(qw: QuantizedWeight) -> torch.Tensor:
+    """The 4-bit values as uint8 [out, in]."""
+    out_features, in_features = qw.shape
+    if qw.layout == "plain":
+        return torch.stack((qw.data & 15, qw.data >> 4), dim=-1).view(qw.shape)
+    blocks = qw.data.view(out_features // 64, in_features, 32)
+    return torch.stack((blocks & 15, blocks >> 4), dim=1).permute(0, 1, 3, 2).reshape(qw.shape)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """The [out, in] weight in its dtype."""
+    if qw.method == "int8":
+        return qw.data.to(qw.dtype) * qw.scales[:, None]
+    q = int4_values(qw).view(qw.shape[0], -1, INT4_GROUP).to(qw.dtype)
+    if qw.layout == "plain":
+        return (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.shape)
+    scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # [out, groups]
+    return ((q - 8) * scale[..., None] + zero[..., None]).view(qw.shape)
+
+
+@register("prepare_quantized_weight")
+def prepare_quantized_weight(qw: QuantizedWeight) -> QuantizedWeight:
+    return qw
+
+
+@register("prepare_quantized_weight", "cpu")
+def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    """int4 bf16 weights in torch's CPU kernel's layout, replacing the plain one (its
+    blocks are 64 outputs: other widths stay plain and run dequantized)."""
+    if qw.method != "int4" or qw.dtype != torch.bfloat16 or qw.shape[0] % 64:
+        return qw
+    blocked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_values(qw).to(torch.int32), 1)
+    scales_and_zeros = torch.stack((qw.scales.t(), (qw.zeros + 8 * qw.scales).t()), dim=-1).contiguous()
+    return QuantizedWeight(qw.method, qw.shape, qw.dtype, blocked, scales_and_zeros, None, "cpu_blocked")
+
+
+@register("quantized_linear")
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize(qw), bias)
+
+
+@register("quantized_linear", "cpu")
+def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if not 0 < rows <= PACKED_MAX_ROWS or x.dtype != qw.dtype:
+        return F.linear(x, dequantize(qw), bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if qw.method == "int8":
+        out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
+    elif qw.layout == "cpu_blocked":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, INT4_GROUP, qw.scales)
+    else:
+        return F.linear(x, dequantize(qw), bias)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out.shape[-1])

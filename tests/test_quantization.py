@@ -1,0 +1,202 @@
+"""Weight-only int8/int4 quantization at load: the kernels against the dequantized weight,
+greedy tokens against transformers on a checkpoint holding the dequantized weights, the
+shipped model's answers, and the flag on every entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conftest import HFReference, make_image
+from vlmserve import LLM, SamplingParams
+from vlmserve.kernels import kernel_table
+from vlmserve.kernels.quantized_linear import (
+    METHODS,
+    dequantize,
+    prepare_quantized_weight_cpu,
+    quantizable,
+    quantize,
+    quantized_linear_cpu,
+)
+from vlmserve.models.layers import Linear
+from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
+from vlmserve.training.shapes import normalize_answer
+from vlmserve.worker.model_loader import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLES = REPO / "samples"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rounding_error_is_at_most_half_a_step(method):
+    w = torch.randn(96, 256) * torch.linspace(0.1, 3, 96)[:, None]  # rows of different ranges
+    qw = quantize(w, method)
+    error = (dequantize(qw) - w).abs()
+    if method == "int8":
+        assert qw.data.dtype == torch.int8 and qw.data.shape == w.shape
+        assert (error <= qw.scales[:, None] / 2 + 1e-6).all()
+    else:
+        assert qw.data.dtype == torch.uint8 and qw.data.shape == (96, 128)  # two values a byte
+        assert (error.view(96, 2, 128) <= qw.scales[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("out_features", [128, 80])  # 80: not whole blocks of torch's int4 layout
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # torch's packed-weight kernels, and dequantized matmuls
+def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(out_features, 256, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    plain = quantize(w, method)
+    prepared = prepare_quantized_weight_cpu(quantize(w, method))
+    if method == "int4" and out_features % 64 == 0:
+        assert prepared.layout == "cpu_blocked" and prepared.nbytes < plain.nbytes + plain.data.numel() // 8
+    # the CPU layout holds the same values (its zero point is rounded to bf16 once more)
+    assert torch.allclose(dequantize(prepared).float(), dequantize(plain).float(), atol=0.05)
+    x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
+    got = quantized_linear_cpu(x, prepared, bias).float()
+    expected = F.linear(x.float(), dequantize(prepared).float(), bias.float())
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def dequantized_checkpoint(source: str, method: str, dest: Path) -> Path:
+    """A copy of a checkpoint whose language layers' linear weights are what `method`
+    makes of them: transformers running it is the reference for vlmserve quantizing the
+    original (per output row, so fused projections quantize the same)."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    changed = 0
+    for name, tensor in tensors.items():
+        language_layer = ".layers." in name and "visual" not in name  # both families' names of them
+        if language_layer and name.endswith(".weight") and tensor.dim() == 2 and quantizable(tensor, method):
+            tensors[name] = dequantize(quantize(tensor, method)).to(tensor.dtype)
+            changed += 1
+    assert changed
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoints(tmp_path_factory):
+    """Tiny checkpoints 128 wide, so that int4's groups of 128 inputs fit their layers."""
+    root = tmp_path_factory.mktemp("quant")
+    return {
+        "qwen2_5_vl": str(build_qwen2_5_vl(root / "qwen25", hidden_size=128, intermediate_size=256, num_layers=2)),
+        "qwen3_5": str(build_qwen3_5(root / "qwen35", hidden_size=128, intermediate_size=256,
+                                     linear_head_dim=32, head_dim=32)),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(wide_checkpoints, family, method, tmp_path):
+    source = wide_checkpoints[family]
+    hf = HFReference(str(dequantized_checkpoint(source, method, tmp_path / "dequantized")))
+    llm = LLM(source, dtype="float32", quantization=method, num_kv_blocks=128)
+    image = make_image(120, 90, seed=7)
+    for text, images in (("Describe the image. " * 3, [image]), ("Tell me a story about a fox.", [])):
+        prompt = hf.prompt(text, len(images))
+        tokens, logprobs = hf.generate(prompt, images, 12)
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                           SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == tokens
+        chosen = torch.tensor([entry.logprobs[0] for entry in out.logprobs])
+        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_language_layers_keep_only_their_quantized_weights(wide_checkpoints, method):
+    model, _ = load_model(wide_checkpoints["qwen2_5_vl"], "bfloat16", kernel_table("cpu"), quantization=method)
+    language = [m for m in model.model.language_model.modules() if isinstance(m, Linear)]
+    assert language and all(m.quantized is not None and m.weight.numel() == 0 and m.packed_weight is None
+                            for m in language)
+    bits = {"int8": 8, "int4": 4}[method]
+    for m in language:
+        out_features, in_features = m.quantized.shape
+        assert m.quantized.data.numel() * 8 == out_features * in_features * bits
+    vision = [m for m in model.model.visual.modules() if isinstance(m, Linear)]
+    assert vision and all(m.quantized is None and m.weight.numel() > 0 for m in vision)
+
+
+ANSWERS = json.loads((SAMPLES / "answers.json").read_text())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_shipped_model_quantized_answers_every_sample_question(method):
+    llm = LLM(quantization=method, dtype="bfloat16", allowed_local_media_path=str(SAMPLES))
+    chats = []
+    for item in ANSWERS:
+        kind = "video_url" if item["file"].endswith(".mp4") else "image_url"
+        chats.append([{"role": "user", "content": [{"type": kind, kind: {"url": str(SAMPLES / item["file"])}},
+                                                   {"type": "text", "text": item["question"]}]}])
+    outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=256))
+    wrong = [(item["file"], item["question"], out.outputs[0].text) for item, out in zip(ANSWERS, outs)
+             if normalize_answer(out.outputs[0].text) != normalize_answer(item["answer"])]
+    assert not wrong
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_caption_takes_the_flag(tmp_path):
+    out = tmp_path / "captions.jsonl"
+    result = run_cli("caption", str(SAMPLES / "shapes1.png"), "--out", str(out), "--quantization", "int4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    caption = json.loads(out.read_text())["caption"]
+    expected = next(i["answer"] for i in ANSWERS if i["file"] == "shapes1.png" and i["kind"] == "caption")
+    assert normalize_answer(caption) == normalize_answer(expected)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_serve_quantized_answers_the_openai_client_streaming_about_a_picture(method):
+    import base64
+
+    from test_openai_server import Server
+
+    item = next(i for i in ANSWERS if i["file"] == "shapes3.jpg" and i["kind"] == "caption")
+    url = "data:image/jpeg;base64," + base64.b64encode((SAMPLES / item["file"]).read_bytes()).decode()
+    server = Server(None, "--quantization", method, "--dtype", "bfloat16")
+    try:
+        stream = server.client().chat.completions.create(
+            model="tiny", temperature=0, max_tokens=64, stream=True,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": item["question"]}]}])
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert normalize_answer(text) == normalize_answer(item["answer"])
+        assert any(f"quantized the language layers to {method}" in line for line in server.log)
+    finally:
+        server.stop()
+
+
+def test_an_unknown_method_is_one_line_and_exit_code_2(tmp_path):
+    result = run_cli("caption", str(SAMPLES / "shapes1.png"), "--out", str(tmp_path / "c.jsonl"),
+                     "--quantization", "int3")
+    assert result.returncode == 2
+    assert "--quantization int3: vlmserve quantizes to int8 or int4" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_published_quantized_checkpoint_is_named_not_crashed_on(wide_checkpoints, tmp_path):
+    import shutil
+
+    path = tmp_path / "awq"
+    shutil.copytree(wide_checkpoints["qwen2_5_vl"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    (path / "config.json").write_text(json.dumps(config))
+    result = run_cli("caption", str(SAMPLES / "shapes1.png"), "--out", str(tmp_path / "c.jsonl"), "--model", str(path))
+    assert result.returncode == 2
+    assert "quantized with awq (4-bit), a format vlmserve does not load" in result.stderr
+    assert "Traceback" not in result.stderr
