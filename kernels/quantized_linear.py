@@ -27,12 +27,13 @@ PACKED_MAX_ROWS = 8  # up to this many rows the CPU's packed-weight kernels win 
 @dataclass
 class QuantizedWeight:
     """A [out, in] weight, quantized. int8: `data` int8 [out, in], `scales` [out].
-    int4: `scales` and `zeros` [out, in / 128], w = q * scale + zero, and `data` the
+    int4: `scales` and `zeros` [out, in / group], w = q * scale + zero, and `data` the
     values two to a byte in one of two layouts: "plain", [out, in / 2] with input 2j in the
     low nibble and 2j + 1 in the high one; or "cpu_blocked", torch's CPU kernel's (for
     each block of 64 outputs, input-major, outputs j and j + 32 of the block in one byte's
     low and high nibbles), where the scales and zeros are kept as that kernel takes them:
-    `scales` [in / 128, out, 2] of (scale, zero + 8 * scale), `zeros` None."""
+    `scales` [in / group, out, 2] of (scale, zero + 8 * scale), `zeros` None. The group is
+    128 inputs when vlmserve quantizes; a published checkpoint's may be 32 to 256."""
 
     method: str
     shape: tuple[int, int]
@@ -41,6 +42,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor | None = None
     layout: str = "plain"
+    group: int = INT4_GROUP
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +84,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The [out, in] weight in its dtype."""
     if qw.method == "int8":
         return qw.data.to(qw.dtype) * qw.scales[:, None]
-    q = int4_values(qw).view(qw.shape[0], -1, INT4_GROUP).to(qw.dtype)
+    q = int4_values(qw).view(qw.shape[0], -1, qw.group).to(qw.dtype)
     if qw.layout == "plain":
         return (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.shape)
     scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # [out, groups]
@@ -102,7 +104,20 @@ def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
         return qw
     blocked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_values(qw).to(torch.int32), 1)
     scales_and_zeros = torch.stack((qw.scales.t(), (qw.zeros + 8 * qw.scales).t()), dim=-1).contiguous()
-    return QuantizedWeight(qw.method, qw.shape, qw.dtype, blocked, scales_and_zeros, None, "cpu_blocked")
+    return QuantizedWeight(qw.method, qw.shape, qw.dtype, blocked, scales_and_zeros, None, "cpu_blocked", qw.group)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Several plain quantized weights of one input, stacked (a fused projection's shards):
+    every row is quantized on its own, so stacking them is exact."""
+    first = parts[0]
+    if any((p.method, p.dtype, p.group, p.layout, p.shape[1]) != (first.method, first.dtype, first.group, "plain",
+                                                                   first.shape[1]) for p in parts):
+        raise ValueError("fused shards quantized differently")
+    cat = lambda tensors: None if tensors[0] is None else torch.cat(tensors)  # noqa: E731
+    return QuantizedWeight(first.method, (sum(p.shape[0] for p in parts), first.shape[1]), first.dtype,
+                           cat([p.data for p in parts]), cat([p.scales for p in parts]), cat([p.zeros for p in parts]),
+                           "plain", first.group)
 
 
 @register("quantized_linear")
@@ -119,7 +134,7 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     if qw.method == "int8":
         out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
     elif qw.layout == "cpu_blocked":
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, INT4_GROUP, qw.scales)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, qw.group, qw.scales)
     else:
         return F.linear(x, dequantize(qw), bias)
     if bias is not None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vlmserve.kernels import ops
+from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
 from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
@@ -111,6 +112,8 @@ class VisionLanguageModel(nn.Module):
             name = self.canonical_name(name)
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
+            if isinstance(tensor, QuantizedWeight) and (".experts." in name or ".patch_embed." in name):
+                tensor = dequantize(tensor)  # stacked experts and the patch embedding run in the model's dtype
             if load_expert_weight(loader, name, tensor):
                 continue
             if ".patch_embed.proj." in name:

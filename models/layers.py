@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import ops
-from vlmserve.kernels.quantized_linear import QuantizedWeight, quantizable, quantize
+from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, quantizable, quantize
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -56,9 +56,28 @@ class Linear(nn.Linear):
         dtype); False where the layer's shape doesn't suit the method."""
         if not quantizable(self.weight, method):
             return False
-        self.quantized = ops.prepare_quantized_weight(quantize(self.weight, method))
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
+        self._set_quantized(quantize(self.weight, method))
         return True
+
+    def load_quantized(self, part: QuantizedWeight, index: int = 0, shards: int = 1) -> bool:
+        """One of `shards` row blocks of the weight, quantized in the checkpoint; True once
+        all of them are in."""
+        parts = self.__dict__.setdefault("_quantized_parts", {})
+        parts[index] = part
+        if len(parts) < shards:
+            return False
+        self._set_quantized(concat_rows([parts[i] for i in range(shards)]))
+        del self.__dict__["_quantized_parts"]
+        return True
+
+    def prepare_quantized(self) -> None:
+        """The quantized weight in the layout its device's kernel reads (once, after loading)."""
+        if self.quantized is not None:
+            self.quantized = ops.prepare_quantized_weight(self.quantized)
+
+    def _set_quantized(self, weight: QuantizedWeight) -> None:
+        self.quantized = weight
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

@@ -10,6 +10,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
+from vlmserve.models.layers import Linear
+
 # checkpoint projection -> (fused module, shard index): q/k/v and gate/up run as one matmul
 FUSED_PROJECTIONS = {
     ".q_proj.": (".qkv_proj.", 0),
@@ -38,7 +41,9 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 class WeightLoader:
     """Copies checkpoint tensors into parameters, checking shapes and completeness.
 
-    Fused parameters (a FusedLinear's weight and bias) are filled shard by shard.
+    Fused parameters (a FusedLinear's weight and bias) are filled shard by shard. A weight
+    quantized in the checkpoint (a QuantizedWeight) goes to its Linear as it is; anywhere
+    else it is dequantized.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -48,7 +53,11 @@ class WeightLoader:
         self.shards_loaded: dict[str, set[int]] = {}
         self.pieces_loaded: dict[str, set] = {}
 
-    def copy(self, name: str, tensor: torch.Tensor) -> None:
+    def copy(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        if isinstance(tensor, QuantizedWeight):
+            if self._load_quantized(name, tensor, 0, 1, None):
+                return
+            tensor = dequantize(tensor)
         param = self._param(name)
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
@@ -56,9 +65,13 @@ class WeightLoader:
             param.copy_(tensor)
         self.loaded.add(name)
 
-    def copy_shard(self, name: str, tensor: torch.Tensor, index: int) -> None:
-        param = self._param(name)
+    def copy_shard(self, name: str, tensor: torch.Tensor | QuantizedWeight, index: int) -> None:
         sizes = self.model.get_submodule(name.rsplit(".", 1)[0]).shard_sizes
+        if isinstance(tensor, QuantizedWeight):
+            if self._load_quantized(name, tensor, index, len(sizes), sizes[index]):
+                return
+            tensor = dequantize(tensor)
+        param = self._param(name)
         start = sum(sizes[:index])
         if tensor.shape[0] != sizes[index] or tensor.shape[1:] != param.shape[1:]:
             raise ValueError(f"{name} shard {index}: checkpoint shape {tuple(tensor.shape)} does not fit")
@@ -81,6 +94,21 @@ class WeightLoader:
         done.add(key)
         if len(done) == pieces:
             self.loaded.add(name)
+
+    def _load_quantized(self, name: str, weight: QuantizedWeight, index: int, shards: int, rows: int | None) -> bool:
+        """Hands a quantized weight (or one shard of it) to its Linear; False where the
+        parameter is not a Linear's weight."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.model.get_submodule(module_name) if module_name else None
+        if leaf != "weight" or not isinstance(module, Linear):
+            return False
+        self._param(name)  # a name the model has
+        rows = module.out_features if rows is None else rows
+        if weight.shape != (rows, module.in_features):
+            raise ValueError(f"{name}: checkpoint shape {weight.shape} does not fit ({rows}, {module.in_features})")
+        if module.load_quantized(weight, index, shards):
+            self.loaded.add(name)
+        return True
 
     def _param(self, name: str) -> nn.Parameter:
         if name not in self.params:

@@ -186,17 +186,3 @@ def test_an_unknown_method_is_one_line_and_exit_code_2(tmp_path):
     assert result.returncode == 2
     assert "--quantization int3: vlmserve quantizes to int8 or int4" in result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_a_published_quantized_checkpoint_is_named_not_crashed_on(wide_checkpoints, tmp_path):
-    import shutil
-
-    path = tmp_path / "awq"
-    shutil.copytree(wide_checkpoints["qwen2_5_vl"], path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
-    (path / "config.json").write_text(json.dumps(config))
-    result = run_cli("caption", str(SAMPLES / "shapes1.png"), "--out", str(tmp_path / "c.jsonl"), "--model", str(path))
-    assert result.returncode == 2
-    assert "quantized with awq (4-bit), a format vlmserve does not load" in result.stderr
-    assert "Traceback" not in result.stderr

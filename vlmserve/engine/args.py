@@ -103,19 +103,20 @@ class EngineArgs:
                               "is imported: start with VLMSERVE_USE_TRITON=1 in the environment instead")
 
     def check_quantization(self, hf_config: Any) -> None:
-        """A method vlmserve has, on a checkpoint it can load (published low-bit formats
-        are not loaded yet: one line naming the format)."""
+        """A method vlmserve has, and a checkpoint quantized in a format it loads (checked
+        before anything is loaded: one line naming what is not)."""
         from vlmserve.kernels.quantized_linear import METHODS
+        from vlmserve.models.quantized_checkpoints import CheckpointQuantization, UnsupportedQuantization
 
         if self.quantization is not None and self.quantization not in METHODS:
             raise ConfigError(f"--quantization {self.quantization}: vlmserve quantizes to {' or '.join(METHODS)}")
-        published = getattr(hf_config, "quantization_config", None)
-        if published:
-            get = published.get if isinstance(published, dict) else lambda k, d=None: getattr(published, k, d)
-            method, bits = get("quant_method", "unknown"), get("bits")
-            raise ConfigError(f"the checkpoint is quantized with {method}{f' ({bits}-bit)' if bits else ''}, "
-                              f"a format vlmserve does not load; load its bf16 release with --quantization "
-                              f"{' or '.join(METHODS)}")
+        try:
+            published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
+        except UnsupportedQuantization as e:
+            raise ConfigError(f"the checkpoint is quantized with {e}, a format vlmserve does not load") from None
+        if published and self.quantization:
+            raise ConfigError(f"--quantization {self.quantization}: the checkpoint is already quantized "
+                              f"({published.method}, {published.bits}-bit)")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Linear
+from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.models.weights import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -133,15 +134,26 @@ def load_model(
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
-    model.load_weights(iter_safetensors(model_path))
+    published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
+    if published and quantization:
+        raise ValueError(f"the checkpoint is already quantized ({published.method}): --quantization is for "
+                         f"unquantized ones")
+    weights = iter_safetensors(model_path)
+    model.load_weights(read_quantized(weights, published, dtype) if published else weights)
     model = model.to(device=device).eval()  # params were created in dtype; fp32 buffers stay fp32
     model.requires_grad_(False)
     num_params = sum(p.numel() for p in model.parameters())
     if quantization:
-        with use_kernels(kernels):
-            before, after = quantize_linear_weights(model, quantization)
+        before, after = quantize_linear_weights(model, quantization)
         logger.info("quantized the language layers to %s: %.2f GB of linear weights -> %.2f GB", quantization,
                     before / 1e9, after / 1e9)
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    with use_kernels(kernels):
+        for m in quantized:
+            m.prepare_quantized()
+    if published:
+        logger.info("%s %d-bit checkpoint: %d linear layers run on their quantized weights", published.method,
+                    published.bits, len(quantized))
     if pack_weights:
         with use_kernels(kernels):
             packed = pack_linear_weights(model)

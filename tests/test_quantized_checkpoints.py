@@ -1,0 +1,114 @@
+"""Published quantized formats (AWQ, GPTQ 4/8-bit with and without desc_act, block-wise
+FP8, compressed-tensors W4A16 and W8A8): vlmserve's greedy tokens equal transformers' on
+the weights each format stands for; the int4/int8 ones stay quantized in memory; each
+loads through `serve` for the official openai client; what is not loaded is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import HFReference, make_image
+from vlmserve import LLM, SamplingParams
+from vlmserve.kernels import kernel_table
+from vlmserve.models.layers import Linear
+from vlmserve.testing.checkpoints import build_qwen2_5_vl
+from vlmserve.testing.quantized_checkpoints import write_awq, write_compressed_tensors, write_fp8, write_gptq
+from vlmserve.worker.model_loader import load_model
+
+FORMATS = {
+    # name: (writer, layers expected to stay quantized)
+    "awq": (lambda src, dst: write_awq(src, dst), True),
+    "gptq-int4": (lambda src, dst: write_gptq(src, dst, bits=4, group=64), True),
+    "gptq-int4-desc-act": (lambda src, dst: write_gptq(src, dst, bits=4, group=64, desc_act=True), False),
+    "gptq-int8": (lambda src, dst: write_gptq(src, dst, bits=8), False),
+    "fp8-block": (lambda src, dst: write_fp8(src, dst), False),
+    "compressed-tensors-w4a16": (lambda src, dst: (p := write_compressed_tensors(src, dst, "W4A16"), p), True),
+    "compressed-tensors-w8a8": (lambda src, dst: (p := write_compressed_tensors(src, dst, "W8A8"), p), True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each format's checkpoint and its reference (what transformers runs), built once."""
+    root = tmp_path_factory.mktemp("published")
+    source = build_qwen2_5_vl(root / "source", hidden_size=128, intermediate_size=256, num_layers=2)
+    return {name: writer(source, root / name) for name, (writer, _) in FORMATS.items()}
+
+
+def reference(path) -> HFReference:
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    config = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if not config:
+        return HFReference(str(path))
+    ref = HFReference.__new__(HFReference)  # compressed-tensors: transformers decompresses it on the CPU
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    ref.processor, ref.processor_kwargs, ref._cache = AutoProcessor.from_pretrained(path), {}, {}
+    ref.model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    return ref
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_greedy_tokens_equal_transformers_on_the_formats_weights(checkpoints, name):
+    quantized, ref_path = checkpoints[name]
+    hf = reference(ref_path)
+    llm = LLM(str(quantized), dtype="float32", num_kv_blocks=128)
+    image = make_image(120, 90, seed=3)
+    for text, images in (("Describe the image. " * 3, [image]), ("Tell me a story about a fox.", [])):
+        prompt = hf.prompt(text, len(images))
+        tokens, logprobs = hf.generate(prompt, images, 12)
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                           SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == tokens
+        chosen = torch.tensor([entry.logprobs[0] for entry in out.logprobs])
+        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_int4_and_int8_formats_stay_quantized_in_memory(checkpoints, name):
+    model, _ = load_model(checkpoints[name][0], "bfloat16", kernel_table("cpu"))
+    language = [m for m in model.model.language_model.modules() if isinstance(m, Linear)]
+    stays_quantized = FORMATS[name][1]
+    assert all((m.quantized is not None) == stays_quantized for m in language)
+    assert all(m.weight.numel() == 0 for m in language if m.quantized is not None)
+
+
+def test_serve_loads_each_format_for_the_openai_client(checkpoints):
+    from test_openai_server import Server
+
+    for name in FORMATS:
+        server = Server(str(checkpoints[name][0]))
+        try:
+            out = server.client().chat.completions.create(
+                model="tiny", max_tokens=5, temperature=0, stream=True,
+                messages=[{"role": "user", "content": "Tell me a story about a fox."}])
+            assert "".join(c.choices[0].delta.content or "" for c in out if c.choices), name
+        finally:
+            server.stop()
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq 3-bit (vlmserve loads 4 and 8 bits)"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq gemv 4-bit"),
+])
+def test_what_is_not_loaded_is_one_line_and_exit_code_2(checkpoints, tmp_path, config, named):
+    path = tmp_path / "unsupported"
+    shutil.copytree(checkpoints["awq"][0], path)
+    full = json.loads((path / "config.json").read_text())
+    full["quantization_config"] = config
+    (path / "config.json").write_text(json.dumps(full))
+    result = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", str(path / "config.json"),
+                             "--out", str(tmp_path / "c.jsonl"), "--model", str(path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert f"the checkpoint is quantized with {named}" in result.stderr
+    assert "Traceback" not in result.stderr
