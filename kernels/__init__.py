@@ -25,7 +25,12 @@ if __name__ == "vlmserve.kernels":
             if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("the Triton kernels on CPU tensors run in Triton's interpreter: start with "
                                    "VLMSERVE_USE_TRITON=1 (or TRITON_INTERPRET=1) in the environment")
-            from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # noqa: F401
+            from vlmserve.kernels import (  # noqa: F401
+                triton_attention,
+                triton_elementwise,
+                triton_gdn,
+                triton_quantized_linear,
+            )
         return KernelTable(device_type, triton)
 
     __all__ = ["ops", "register", "kernel_table", "use_kernels", "KernelTable"]

@@ -54,8 +54,9 @@ def quantizable(weight: torch.Tensor, method: str) -> bool:
     return method == "int8" or weight.shape[1] % INT4_GROUP == 0
 
 
-def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
-    """Round-to-nearest quantization of a [out, in] weight (computed in fp32)."""
+def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
+    """Round-to-nearest quantization of a [out, in] weight (computed in fp32); int4 in
+    groups of `group` inputs."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
     w = weight.detach().float()
@@ -64,11 +65,12 @@ def quantize(weight: torch.Tensor, method: str) -> QuantizedWeight:
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight(method, shape, dtype, q, scales.to(dtype))
-    groups = w.view(shape[0], shape[1] // INT4_GROUP, INT4_GROUP)
+    groups = w.view(shape[0], shape[1] // group, group)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(shape)
-    return QuantizedWeight(method, shape, dtype, q[:, 0::2] | (q[:, 1::2] << 4), scales.to(dtype), low.to(dtype))
+    return QuantizedWeight(method, shape, dtype, q[:, 0::2] | (q[:, 1::2] << 4), scales.to(dtype), low.to(dtype),
+                           "plain", group)
 
 
 def int4_values(qw: QuantizedWeight) -> torch.Tensor:

@@ -102,3 +102,21 @@ def test_gemma3_on_triton_kernels(triton_llm, gemma3_path, hf_gemma3):
     text, images = CROPS["crops_and_plain"]
     out = llm.generate(request(hf_gemma3, text, images), greedy(max_tokens=6))[0]
     check(out, hf_gemma3, text, images, 6)
+
+
+def test_a_published_int4_checkpoint_on_triton_kernels(triton_llm, tmp_path):
+    """An AWQ checkpoint's int4 layers through the Triton quantized matmul: the tokens and
+    logprobs transformers gives on the weights the checkpoint stands for."""
+    from conftest import HFReference, make_image
+    from vlmserve.kernels.triton_quantized_linear import quantized_linear_triton
+    from vlmserve.testing.checkpoints import build_qwen2_5_vl
+    from vlmserve.testing.quantized_checkpoints import write_awq
+
+    source = build_qwen2_5_vl(tmp_path / "source", hidden_size=128, intermediate_size=256, num_layers=2)
+    quantized, reference = write_awq(source, tmp_path / "awq")
+    llm = triton_llm(str(quantized))
+    assert llm.engine.engine_core.runner.kernels.quantized_linear is quantized_linear_triton
+    hf = HFReference(str(reference))
+    text, images = "Describe the image.", [make_image(100, 80, seed=5)]
+    out = llm.generate(request(hf, text, images), greedy(max_tokens=6))[0]
+    check(out, hf, text, images, 6)

@@ -11,7 +11,13 @@ import torch
 
 from test_kernels import assert_equals_dense, bidirectional_case, dense_attention, paged_case
 from vlmserve.kernels import attention, gdn, linear, norms, rotary
-from vlmserve.kernels import triton_attention, triton_elementwise, triton_gdn  # conftest turned the interpreter on
+from vlmserve.kernels import (  # conftest turned the interpreter on
+    triton_attention,
+    triton_elementwise,
+    triton_gdn,
+    triton_quantized_linear,
+)
+from vlmserve.kernels.quantized_linear import dequantize, quantize
 from vlmserve.models.layers import mrope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.slow  # the interpreter runs each program in numpy
@@ -153,3 +159,16 @@ def test_token_bitmask():
     sampling.apply_token_bitmask(want, rows, bitmask)
     triton_elementwise.apply_token_bitmask_triton(got, rows, bitmask)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("method,group", [("int8", 128), ("int4", 128), ("int4", 64)])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_quantized_linear(method, group, rows):
+    """Weight tiles dequantized in registers: the product with the dequantized weight, a
+    ragged output width (48) and row count, with and without a bias."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(48, 256), torch.randn(rows, 256)
+    qw = quantize(weight, method, group)  # 64: a published checkpoint's group size
+    for bias in (None, torch.randn(48)):
+        out = triton_quantized_linear.quantized_linear_triton(x, qw, bias)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, dequantize(qw), bias), atol=2e-4, rtol=2e-5)
