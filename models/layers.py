@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import ops
-from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, quantizable, quantize
+from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, dequantize, quantizable, quantize
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -46,6 +46,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    quantized_parts: dict[int, QuantizedWeight] | None = None  # a fused layer's shards, while loading
 
     def pack(self) -> None:
         if self.quantized is None:
@@ -59,16 +60,24 @@ class Linear(nn.Linear):
         self._set_quantized(quantize(self.weight, method))
         return True
 
-    def load_quantized(self, part: QuantizedWeight, index: int = 0, shards: int = 1) -> bool:
-        """One of `shards` row blocks of the weight, quantized in the checkpoint; True once
-        all of them are in."""
-        parts = self.__dict__.setdefault("_quantized_parts", {})
-        parts[index] = part
-        if len(parts) < shards:
-            return False
-        self._set_quantized(concat_rows([parts[i] for i in range(shards)]))
-        del self.__dict__["_quantized_parts"]
-        return True
+    def add_quantized_shard(self, part: QuantizedWeight, index: int = 0) -> None:
+        """A row block of the weight (the whole weight, unfused), quantized in the
+        checkpoint; kept until `finish_loading`."""
+        if self.quantized_parts is None:
+            self.quantized_parts = {}
+        self.quantized_parts[index] = part
+
+    def finish_loading(self, shard_sizes: list[int]) -> None:
+        """Every shard is in: all quantized, they become the quantized weight; mixed with
+        plain ones (already in the weight), the quantized ones are dequantized into it."""
+        parts, self.quantized_parts = self.quantized_parts or {}, None
+        if len(parts) == len(shard_sizes):
+            self._set_quantized(concat_rows([parts[i] for i in range(len(shard_sizes))]))
+            return
+        with torch.no_grad():
+            for index, part in parts.items():
+                start = sum(shard_sizes[:index])
+                self.weight[start : start + shard_sizes[index]].copy_(dequantize(part))
 
     def prepare_quantized(self) -> None:
         """The quantized weight in the layout its device's kernel reads (once, after loading)."""

@@ -54,10 +54,15 @@ class WeightLoader:
         self.pieces_loaded: dict[str, set] = {}
 
     def copy(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
-        if isinstance(tensor, QuantizedWeight):
-            if self._load_quantized(name, tensor, 0, 1, None):
-                return
-            tensor = dequantize(tensor)
+        linear = self._quantized_target(name, tensor)
+        if linear is not None:
+            if tensor.shape != (linear.out_features, linear.in_features):
+                raise ValueError(f"{name}: checkpoint shape {tensor.shape} != model shape {tuple(linear.weight.shape)}")
+            linear.add_quantized_shard(tensor)
+            linear.finish_loading([linear.out_features])
+            self.loaded.add(name)
+            return
+        tensor = dequantize(tensor) if isinstance(tensor, QuantizedWeight) else tensor
         param = self._param(name)
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
@@ -66,21 +71,24 @@ class WeightLoader:
         self.loaded.add(name)
 
     def copy_shard(self, name: str, tensor: torch.Tensor | QuantizedWeight, index: int) -> None:
-        sizes = self.model.get_submodule(name.rsplit(".", 1)[0]).shard_sizes
-        if isinstance(tensor, QuantizedWeight):
-            if self._load_quantized(name, tensor, index, len(sizes), sizes[index]):
-                return
-            tensor = dequantize(tensor)
+        module = self.model.get_submodule(name.rsplit(".", 1)[0])
+        sizes = module.shard_sizes
         param = self._param(name)
-        start = sum(sizes[:index])
-        if tensor.shape[0] != sizes[index] or tensor.shape[1:] != param.shape[1:]:
+        if tensor.shape[0] != sizes[index] or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
             raise ValueError(f"{name} shard {index}: checkpoint shape {tuple(tensor.shape)} does not fit")
-        with torch.no_grad():
-            param[start : start + sizes[index]].copy_(tensor)
+        if self._quantized_target(name, tensor) is not None:
+            module.add_quantized_shard(tensor, index)
+        else:
+            tensor = dequantize(tensor) if isinstance(tensor, QuantizedWeight) else tensor
+            start = sum(sizes[:index])
+            with torch.no_grad():
+                param[start : start + sizes[index]].copy_(tensor)
         done = self.shards_loaded.setdefault(name, set())
         done.add(index)
         if len(done) == len(sizes):
             self.loaded.add(name)
+            if name.endswith(".weight") and getattr(module, "quantized_parts", None) is not None:
+                module.finish_loading(sizes)
 
     def copy_piece(self, name: str, key, region: tuple, tensor: torch.Tensor, pieces: int) -> None:
         """Fills param[region] (one of `pieces` parts, named by `key`: an expert's
@@ -95,20 +103,15 @@ class WeightLoader:
         if len(done) == pieces:
             self.loaded.add(name)
 
-    def _load_quantized(self, name: str, weight: QuantizedWeight, index: int, shards: int, rows: int | None) -> bool:
-        """Hands a quantized weight (or one shard of it) to its Linear; False where the
-        parameter is not a Linear's weight."""
+    def _quantized_target(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> Linear | None:
+        """The Linear whose weight a quantized checkpoint tensor is (None for a plain
+        tensor, or a quantized one meant for anything else: it is dequantized)."""
         module_name, _, leaf = name.rpartition(".")
-        module = self.model.get_submodule(module_name) if module_name else None
-        if leaf != "weight" or not isinstance(module, Linear):
-            return False
+        if not isinstance(tensor, QuantizedWeight) or leaf != "weight" or not module_name:
+            return None
         self._param(name)  # a name the model has
-        rows = module.out_features if rows is None else rows
-        if weight.shape != (rows, module.in_features):
-            raise ValueError(f"{name}: checkpoint shape {weight.shape} does not fit ({rows}, {module.in_features})")
-        if module.load_quantized(weight, index, shards):
-            self.loaded.add(name)
-        return True
+        module = self.model.get_submodule(module_name)
+        return module if isinstance(module, Linear) else None
 
     def _param(self, name: str) -> nn.Parameter:
         if name not in self.params:

@@ -26,8 +26,8 @@ def main() -> None:
                       "answer": shapes.json_description(scene)})
     video = shapes.random_video(rng, num_frames=6, side=240)
     (HERE / "moving.mp4").write_bytes(shapes.encode_mp4(video.frames))
-    qa = video.question
-    items.append({"file": "moving.mp4", "kind": qa.kind, "question": qa.question, "answer": qa.answer})
+    for qa in (video.question, video.caption):
+        items.append({"file": "moving.mp4", "kind": qa.kind, "question": qa.question, "answer": qa.answer})
     (HERE / "answers.json").write_text(json.dumps(items, indent=1) + "\n")
 
 

@@ -88,13 +88,14 @@ def test_greedy_answers_equal_transformers():
 
 @pytest.mark.slow
 def test_the_readme_run_command(tmp_path):
-    """`vlmserve caption samples/ --out captions.jsonl` captions the sample pictures right."""
+    """`vlmserve caption samples/ --out captions.jsonl` captions the sample pictures and the
+    sample video right (a video gets "Describe the video.")."""
     out = tmp_path / "captions.jsonl"
     subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", str(SAMPLES), "--out", str(out),
                     "--no-progress"], check=True, capture_output=True, timeout=300)
     rows = {Path(r["path"]).name: r for r in map(json.loads, out.read_text().splitlines())}
-    captions = {i["file"]: i["answer"] for i in ITEMS if i["kind"] == "caption"}
-    assert captions and all(normalize_answer(rows[f]["caption"]) == normalize_answer(a) for f, a in captions.items())
+    captions = {i["file"]: i["answer"] for i in ITEMS if i["kind"] in ("caption", "video_caption")}
+    assert len(captions) == 5 and all(normalize_answer(rows[f]["caption"]) == normalize_answer(a) for f, a in captions.items())
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):

@@ -72,6 +72,25 @@ def test_greedy_tokens_equal_transformers_on_the_formats_weights(checkpoints, na
         assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-3)
 
 
+def test_a_fused_layer_of_quantized_and_plain_parts_loads(tmp_path):
+    """Qwen3.5's Gated DeltaNet input projection is fused from four: two the packer
+    quantizes and two too narrow to (4 outputs), which the checkpoint keeps plain. The
+    quantized parts are dequantized into the fused weight; tokens equal transformers'."""
+    from vlmserve.testing.checkpoints import build_qwen3_5
+
+    source = build_qwen3_5(tmp_path / "source", hidden_size=128, intermediate_size=256, linear_head_dim=32,
+                           head_dim=32)
+    quantized, ref_path = write_awq(source, tmp_path / "awq")
+    hf = HFReference(str(ref_path))
+    llm = LLM(str(quantized), dtype="float32", num_kv_blocks=128)
+    prompt = hf.prompt("Describe the image. " * 2, 1)
+    image = make_image(100, 90, seed=4)
+    tokens, _ = hf.generate(prompt, [image], 10)
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [image]}},
+                       SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == tokens
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_int4_and_int8_formats_stay_quantized_in_memory(checkpoints, name):
     model, _ = load_model(checkpoints[name][0], "bfloat16", kernel_table("cpu"))

@@ -15,6 +15,7 @@ def main() -> None:
     ap = worker_args(__doc__)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--profile", action="store_true", help="time each phase of the engine's steps")
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
 
     import torch
@@ -25,7 +26,8 @@ def main() -> None:
     requests = load_workload(args.workload)
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=4096,
-              kv_cache_memory_gb=2, max_model_len=args.max_model_len, time_steps=args.profile)
+              kv_cache_memory_gb=2, max_model_len=args.max_model_len, time_steps=args.profile,
+              quantization=args.quantization)
     start_seconds = time.perf_counter() - t
 
     def reset() -> None:

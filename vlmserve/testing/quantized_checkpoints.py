@@ -20,8 +20,10 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
-def _language_linear(name: str, tensor: torch.Tensor) -> bool:
-    return ".layers." in name and "visual" not in name and name.endswith(".weight") and tensor.dim() == 2
+def _language_linear(name: str, tensor: torch.Tensor, group: int = 128) -> bool:
+    """A language layer's matrix whose shape the formats pack (whole groups, outputs in 8s)."""
+    return (".layers." in name and "visual" not in name and name.endswith(".weight") and tensor.dim() == 2
+            and tensor.shape[1] % group == 0 and tensor.shape[0] % 8 == 0)
 
 
 def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -65,7 +67,7 @@ def write_awq(source: str | Path, dest: str | Path, group: int = 128) -> tuple[P
     quantized, reference = {}, {}
     order = torch.tensor(AWQ_ORDER)
     for name, w in load_file(str(source / "model.safetensors")).items():
-        if not _language_linear(name, w):
+        if not _language_linear(name, w, group):
             quantized[name] = reference[name] = w
             continue
         values, scales, zeros = _asymmetric(w, 4, group)
@@ -89,7 +91,7 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
     quantized, reference = {}, {}
     generator = torch.Generator().manual_seed(seed)
     for name, w in load_file(str(source / "model.safetensors")).items():
-        if not _language_linear(name, w):
+        if not _language_linear(name, w, group):
             quantized[name] = reference[name] = w
             continue
         inputs = w.shape[1]
@@ -117,7 +119,7 @@ def write_fp8(source: str | Path, dest: str | Path, block: int = 128) -> tuple[P
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
     for name, w in load_file(str(source / "model.safetensors")).items():
-        if not _language_linear(name, w):
+        if not _language_linear(name, w, 1):
             quantized[name] = reference[name] = w
             continue
         out_features, in_features = w.shape
