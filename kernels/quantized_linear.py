@@ -3,11 +3,13 @@
 128 inputs), and the matmul on it.
 
 Decoding reads every weight once per step, so 8-bit weights read half the bytes of bf16
-and 4-bit ones a quarter. On the CPU few rows (a decoding batch) run on torch's
-packed-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); many rows
-(a prefill) are bound by compute, where those kernels are several times slower than a
-bf16 matmul (measured, docs/kernels.md), so the weight is dequantized on the fly and
-multiplied in the activations' dtype.
+and 4-bit ones a quarter. On the CPU one to four int8 rows (decoding) run on vlmserve's
+own kernel (csrc/gemv.cpp: integer dot products by AVX512-VNNI, 1.5-2.6x a bf16 one at
+3B widths); a few more rows, and int4, on torch's packed-weight kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); many rows (a prefill) are bound
+by compute, where those kernels are several times slower than a bf16 matmul (measured,
+docs/quantization.md), so the weight is dequantized on the fly and multiplied in the
+activations' dtype.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.linear import GEMV_MAX_ROWS
 from vlmserve.kernels.registry import register
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 128
-PACKED_MAX_ROWS = 8  # up to this many rows the CPU's packed-weight kernels win (measured)
+# up to this many rows torch's packed-weight kernels beat dequantizing and a bf16 matmul
+# (measured at 3B widths on an AMX CPU; docs/quantization.md)
+PACKED_MAX_ROWS = {"int8": 24, "int4": 128}
 
 
 @dataclass
@@ -130,15 +136,42 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 @register("quantized_linear", "cpu")
 def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 0 < rows <= PACKED_MAX_ROWS or x.dtype != qw.dtype:
-        return F.linear(x, dequantize(qw), bias)
+    if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype:
+        return F.linear(x, _dequantize_to_scratch(qw), bias)
     flat = x.reshape(rows, x.shape[-1])
+    if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
+        return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
     if qw.method == "int8":
         out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
     elif qw.layout == "cpu_blocked":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, qw.group, qw.scales)
     else:
-        return F.linear(x, dequantize(qw), bias)
+        return F.linear(x, _dequantize_to_scratch(qw), bias)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _int8_gemv_fits(qw: QuantizedWeight) -> bool:
+    return qw.shape[1] % 32 == 0 and cpu_extension.has_bf16_dot() and cpu_extension.available()
+
+
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
+    """`dequantize`, into one buffer reused by every layer (the largest weight's size):
+    a fresh tensor of a layer's size per call costs more in page faults than the
+    arithmetic (measured: int8 -> bf16 of 45M weights 70 ms fresh, 11 ms in place)."""
+    numel = qw.shape[0] * qw.shape[1]
+    buffer = _scratch.get(qw.dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch[qw.dtype] = torch.empty(numel, dtype=qw.dtype)
+    w = buffer[:numel].view(qw.shape)
+    if qw.method == "int8":
+        return w.copy_(qw.data).mul_(qw.scales[:, None])
+    grouped = w.view(qw.shape[0], -1, qw.group).copy_(int4_values(qw).view(qw.shape[0], -1, qw.group))
+    if qw.layout == "plain":
+        return grouped.mul_(qw.scales[..., None]).add_(qw.zeros[..., None]).view(qw.shape)
+    scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # w = (q - 8) * scale + zero'
+    return grouped.sub_(8).mul_(scale[..., None]).add_(zero[..., None]).view(qw.shape)

@@ -49,7 +49,7 @@ def test_rounding_error_is_at_most_half_a_step(method):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("out_features", [128, 80])  # 80: not whole blocks of torch's int4 layout
-@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # torch's packed-weight kernels, and dequantized matmuls
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 200])  # torch's packed-weight kernels, and dequantized matmuls
 def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows):
     torch.manual_seed(rows)
     w = torch.randn(out_features, 256, dtype=torch.bfloat16)
