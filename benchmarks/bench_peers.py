@@ -123,7 +123,7 @@ class Worker:
         self.send({"cmd": "run", **extra})
         return self.receive()
 
-    def stderr_tail(self, chars: int = 4000) -> str:
+    def stderr_tail(self, chars: int = 30000) -> str:
         try:
             return self.log.read_bytes()[-chars:].decode(errors="replace")
         except OSError:
@@ -476,7 +476,8 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     for e in engines:
         seconds = e.median("seconds")
         line = f"{e.name:<22}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
-        step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization])
+        step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization]) \
+            - (costs["head_bytes"] / 2 if e.quantization else 0)  # the head in int8 under either method
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
             decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)

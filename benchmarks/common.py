@@ -96,7 +96,8 @@ def machine_limits(threads: int) -> dict[str, float]:
 def checkpoint_costs(model: str) -> dict[str, float]:
     """From a checkpoint's tensors: the bytes a decode step reads (the language model's
     matrices and norms, the output head; one embedding row, so not the table, unless tied
-    to the head), of which the language layers' matrices (what --quantization shrinks),
+    to the head), of which the language layers' matrices and the head (what
+    --quantization shrinks),
     and the matmul FLOPs per prompt token of the language model and per vision patch of
     the tower."""
     import json as _json
@@ -118,7 +119,7 @@ def checkpoint_costs(model: str) -> dict[str, float]:
                     numel *= d
                 sizes[name] = (numel, 2 if sl.get_dtype() in ("BF16", "F16") else 4, len(shape))
     tied = not any(n.startswith("lm_head") for n in sizes)
-    decode_bytes = text_flops = vision_flops = head_flops = matrix_bytes = 0
+    decode_bytes = text_flops = vision_flops = head_flops = matrix_bytes = head_bytes = 0
     for name, (numel, width, dims) in sizes.items():
         vision = ".visual." in name or name.startswith("visual.")
         embed = "embed_tokens" in name
@@ -126,14 +127,17 @@ def checkpoint_costs(model: str) -> dict[str, float]:
             vision_flops += 2 * numel if dims >= 2 else 0
         elif embed:
             decode_bytes += numel * width if tied else 0
+            head_bytes += numel * width if tied else 0
             head_flops += 2 * numel if tied else 0
         else:
             decode_bytes += numel * width
             text_flops += 2 * numel if dims >= 2 and not name.startswith("lm_head") else 0
             matrix_bytes += numel * width if dims == 2 and not name.startswith("lm_head") else 0
+            head_bytes += numel * width if name.startswith("lm_head") else 0
             head_flops += 2 * numel if name.startswith("lm_head") else 0
     return {"decode_bytes": decode_bytes, "text_flops_per_token": text_flops, "head_flops_per_token": head_flops,
-            "vision_flops_per_patch": vision_flops, "matrix_bytes": matrix_bytes}
+            "vision_flops_per_patch": vision_flops, "matrix_bytes": matrix_bytes,
+            "head_bytes": head_bytes}
 
 
 def synthetic_image(w: int, h: int, seed: int) -> Image.Image:

@@ -90,9 +90,19 @@ class VisionLanguageModel(nn.Module):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model.language_model(embeds, positions, ctx)
 
+    def untied_head(self) -> Linear:
+        """The output head as a Linear of its own: with tied embeddings, one sharing the
+        embedding table's weight (so that it can be quantized while lookups keep the table)."""
+        if self.lm_head is None:
+            embed = self.model.language_model.embed_tokens.weight
+            self.lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+            self.lm_head.weight = embed
+        return self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.language_model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight, None)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)  # its own Linear: packed or quantized as loaded
+        return ops.linear(hidden, self.model.language_model.embed_tokens.weight, None)
 
     @staticmethod
     def canonical_name(name: str) -> str:

@@ -99,31 +99,37 @@ constexpr int64_t kFlush = 256;  // int32 sums of int16 x int8 products flushed 
 // out[m][n] = scale_x[m] * scale_w[n] * sum_k xq[m][k] * w[n][k]: x quantized to int16 per row
 // (error ~1e-5 of its largest value, far below bf16's own rounding), weights widened to int16,
 // products summed by AVX512-VNNI dpwssd, 32 a instruction.
+// B weight rows from row n, all of K, into out[m * N + n + j].
+template <int M, int B>
+inline void int8_gemv_rows(const int16_t* x, const float* x_scales, const int8_t* w, const float* scales, int64_t K,
+                           int64_t N, int64_t n, float* out) {
+  float sums[M][B] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
+    const int64_t k1 = std::min(K, k0 + kFlush);
+    __m512i acc[M][B];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < B; ++j) acc[m][j] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 32) {
+      __m512i xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(x + m * K + k);
+      for (int j = 0; j < B; ++j) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (n + j) * K + k)));
+        for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpwssd_epi32(acc[m][j], xv[m], wv);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < B; ++j) sums[m][j] += static_cast<float>(_mm512_reduce_add_epi32(acc[m][j]));
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < B; ++j) out[m * N + n + j] = sums[m][j] * x_scales[m] * scales[n + j];
+}
+
 template <int M>
 void int8_gemv_band(const int16_t* x, const float* x_scales, const int8_t* w, const float* scales, int64_t K,
                     int64_t N, int64_t n0, int64_t n1, float* out) {
-  for (int64_t n = n0; n < n1; n += kBand) {
-    const int band = static_cast<int>(std::min<int64_t>(kBand, n1 - n));
-    float sums[M][kBand] = {};
-    for (int64_t k0 = 0; k0 < K; k0 += kFlush) {
-      const int64_t k1 = std::min(K, k0 + kFlush);
-      __m512i acc[M][kBand];
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < kBand; ++j) acc[m][j] = _mm512_setzero_si512();
-      for (int64_t k = k0; k < k1; k += 32) {
-        __m512i xv[M];
-        for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(x + m * K + k);
-        for (int j = 0; j < band; ++j) {
-          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (n + j) * K + k)));
-          for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpwssd_epi32(acc[m][j], xv[m], wv);
-        }
-      }
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < band; ++j) sums[m][j] += static_cast<float>(_mm512_reduce_add_epi32(acc[m][j]));
-    }
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < band; ++j) out[m * N + n + j] = sums[m][j] * x_scales[m] * scales[n + j];
-  }
+  int64_t n = n0;
+  for (; n + kBand <= n1; n += kBand) int8_gemv_rows<M, kBand>(x, x_scales, w, scales, K, N, n, out);
+  for (; n < n1; ++n) int8_gemv_rows<M, 1>(x, x_scales, w, scales, K, N, n, out);
 }
 #endif
 
