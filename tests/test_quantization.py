@@ -69,8 +69,9 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
 
 def dequantized_checkpoint(source: str, method: str, dest: Path) -> Path:
     """A copy of a checkpoint whose language layers' linear weights are what `method`
-    makes of them: transformers running it is the reference for vlmserve quantizing the
-    original (per output row, so fused projections quantize the same)."""
+    makes of them (its untied head what int8 does): transformers running it is the
+    reference for vlmserve quantizing the original (per output row, so fused projections
+    quantize the same)."""
     import shutil
 
     shutil.copytree(source, dest)
@@ -81,6 +82,8 @@ def dequantized_checkpoint(source: str, method: str, dest: Path) -> Path:
         if language_layer and name.endswith(".weight") and tensor.dim() == 2 and quantizable(tensor, method):
             tensors[name] = dequantize(quantize(tensor, method)).to(tensor.dtype)
             changed += 1
+        elif name == "lm_head.weight":  # the head: int8 under either method
+            tensors[name] = dequantize(quantize(tensor, "int8")).to(tensor.dtype)
     assert changed
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
@@ -124,6 +127,7 @@ def test_the_language_layers_keep_only_their_quantized_weights(wide_checkpoints,
     for m in language:
         out_features, in_features = m.quantized.shape
         assert m.quantized.data.numel() * 8 == out_features * in_features * bits
+    assert model.lm_head.quantized.method == "int8"  # the head, under either method
     vision = [m for m in model.model.visual.modules() if isinstance(m, Linear)]
     assert vision and all(m.quantized is None and m.weight.numel() > 0 for m in vision)
 
