@@ -93,6 +93,23 @@ class HFReference:
         return inp["input_ids"][0].tolist(), torch.log_softmax(logits.float(), dim=-1)
 
 
+def assert_greedy_like_transformers(llm, hf: HFReference, image: Image.Image, max_tokens: int = 12,
+                                    atol: float = 1e-3) -> None:
+    """A prompt with the picture and a text-only one: greedy tokens equal transformers',
+    the chosen tokens' logprobs within atol (EOS ignored, so every step counts)."""
+    from vlmserve import SamplingParams
+
+    for text, images in (("Describe the image. " * 3, [image]), ("Tell me a story about a fox.", [])):
+        prompt = hf.prompt(text, len(images))
+        tokens, logprobs = hf.generate(prompt, images, max_tokens)
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                           SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+                           )[0].outputs[0]
+        assert out.token_ids == tokens
+        chosen = torch.tensor([entry.logprobs[0] for entry in out.logprobs])
+        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=atol)
+
+
 @pytest.fixture(scope="session")
 def hf_qwen25(qwen25_path):
     return HFReference(qwen25_path)

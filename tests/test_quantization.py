@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import HFReference, make_image
+from conftest import HFReference, assert_greedy_like_transformers, make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.kernels import kernel_table
 from vlmserve.kernels.quantized_linear import (
@@ -106,15 +106,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(wide_checkp
     source = wide_checkpoints[family]
     hf = HFReference(str(dequantized_checkpoint(source, method, tmp_path / "dequantized")))
     llm = LLM(source, dtype="float32", quantization=method, num_kv_blocks=128)
-    image = make_image(120, 90, seed=7)
-    for text, images in (("Describe the image. " * 3, [image]), ("Tell me a story about a fox.", [])):
-        prompt = hf.prompt(text, len(images))
-        tokens, logprobs = hf.generate(prompt, images, 12)
-        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
-                           SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True))[0].outputs[0]
-        assert out.token_ids == tokens
-        chosen = torch.tensor([entry.logprobs[0] for entry in out.logprobs])
-        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-3)
+    assert_greedy_like_transformers(llm, hf, make_image(120, 90, seed=7))
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import HFReference, make_image
+from conftest import HFReference, assert_greedy_like_transformers, make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.kernels import kernel_table
 from vlmserve.models.layers import Linear
@@ -61,15 +61,7 @@ def test_greedy_tokens_equal_transformers_on_the_formats_weights(checkpoints, na
     quantized, ref_path = checkpoints[name]
     hf = reference(ref_path)
     llm = LLM(str(quantized), dtype="float32", num_kv_blocks=128)
-    image = make_image(120, 90, seed=3)
-    for text, images in (("Describe the image. " * 3, [image]), ("Tell me a story about a fox.", [])):
-        prompt = hf.prompt(text, len(images))
-        tokens, logprobs = hf.generate(prompt, images, 12)
-        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
-                           SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True))[0].outputs[0]
-        assert out.token_ids == tokens
-        chosen = torch.tensor([entry.logprobs[0] for entry in out.logprobs])
-        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-3)
+    assert_greedy_like_transformers(llm, hf, make_image(120, 90, seed=3))
 
 
 def test_a_fused_layer_of_quantized_and_plain_parts_loads(tmp_path):
