@@ -110,6 +110,17 @@ def assert_greedy_like_transformers(llm, hf: HFReference, image: Image.Image, ma
         assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=atol)
 
 
+@pytest.fixture(scope="module")
+def short_context_server(qwen25_path):
+    """`vlmserve serve` on the tiny Qwen2.5-VL with a 1,024-token context (what vLLM's
+    clients and the evaluation harness are tried against)."""
+    from test_openai_server import Server
+
+    server = Server(qwen25_path, "--num-kv-blocks", "512", "--max-model-len", "1024")
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def hf_qwen25(qwen25_path):
     return HFReference(qwen25_path)

@@ -61,10 +61,8 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def server(qwen25_path):
-    s = Server(qwen25_path, "--num-kv-blocks", "512", "--max-model-len", "1024")
-    yield s
-    s.stop()
+def server(short_context_server):
+    return short_context_server
 
 
 @pytest.fixture(scope="module")

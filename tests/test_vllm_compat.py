@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from conftest import make_image
-from test_openai_server import Server, data_url
+from test_openai_server import data_url
 from vlmserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -24,10 +24,8 @@ IMG = make_image(90, 70, seed=21)
 
 
 @pytest.fixture(scope="module")
-def server(qwen25_path):
-    s = Server(qwen25_path, "--num-kv-blocks", "512", "--max-model-len", "1024")
-    yield s
-    s.stop()
+def server(short_context_server):
+    return short_context_server
 
 
 @pytest.fixture(scope="module")
