@@ -273,15 +273,7 @@ def random_video(rng: random.Random, num_frames: int | None = None, side: int | 
     n = num_frames or rng.randint(4, 8)
     side = side or rng.randint(160, 320)
     cell_px = side / 3
-    direction = rng.choice(DIRECTIONS)
-    dx, dy = _STEPS[direction]
-    distance = rng.uniform(1.0, 2.0) * cell_px
-    size = rng.choice(list(SIZES))
-    lo, hi = SIZES[size]
-    side_px = rng.uniform(lo, hi) * cell_px
-    x0, y0 = _start(rng, side, side_px, dx, dy, distance)
-    kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-    move = _movement(kind, color, size, _jitter(COLORS[color], rng), (x0, y0, side_px), direction, distance, cell_px)
+    move = _random_movement(rng, side, cell_px)
     background = tuple(rng.randint(225, 255) for _ in range(3))
     return _clip(side, background, [move], n, antialias=rng.random() < 0.5)
 
@@ -299,22 +291,28 @@ def random_moving_video(rng: random.Random, num_shapes: int | None = None, num_f
     for _ in range(200 * wanted):  # rejection: paths that cross another shape's are drawn again
         if len(moves) == wanted:
             break
-        direction = rng.choice(DIRECTIONS)
-        dx, dy = _STEPS[direction]
-        distance = rng.uniform(1.0, 2.0) * cell_px
-        size = rng.choice(list(SIZES))
-        lo, hi = SIZES[size]
-        side_px = rng.uniform(lo, hi) * cell_px
-        x0, y0 = _start(rng, side, side_px, dx, dy, distance)
-        kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-        move = _movement(kind, color, size, _jitter(COLORS[color], rng), (x0, y0, side_px), direction, distance,
-                         cell_px)
+        move = _random_movement(rng, side, cell_px)
+        kind, color = move.shape.kind, move.shape.color
         if (color, kind) in used or any(_collide(move, other) for other in moves):
             continue
         used.add((color, kind))
         moves.append(move)
     background = tuple(rng.randint(225, 255) for _ in range(3))
     return _clip(side, background, moves, n, antialias=rng.random() < 0.5)
+
+
+def _random_movement(rng: random.Random, side: float, cell_px: float) -> Movement:
+    """One shape of any kind, colour and size moving 1 to 2 cells one way, its whole path
+    inside the picture."""
+    direction = rng.choice(DIRECTIONS)
+    dx, dy = _STEPS[direction]
+    distance = rng.uniform(1.0, 2.0) * cell_px
+    size = rng.choice(list(SIZES))
+    lo, hi = SIZES[size]
+    side_px = rng.uniform(lo, hi) * cell_px
+    x0, y0 = _start(rng, side, side_px, dx, dy, distance)
+    kind, color = rng.choice(SHAPES), rng.choice(list(COLORS))
+    return _movement(kind, color, size, _jitter(COLORS[color], rng), (x0, y0, side_px), direction, distance, cell_px)
 
 
 def _start(rng: random.Random, side: float, side_px: float, dx: int, dy: int, distance: float) -> tuple[float, float]:

@@ -302,6 +302,23 @@ VISION_VIDEO_EVERY = 4
 VISION_VIDEO_FROM = 2 / 3
 
 
+def picture_cell_batch(processor, rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n pictures' pixels, grids, and the content of each cell (the tower's dense labels)."""
+    images, labels = [], []
+    for _ in range(n):
+        scene = shapes.random_scene(rng)
+        images.append(shapes.through_file(shapes.render(scene, rng), rng))
+        labels.append(cell_labels(scene))
+    out = processor.image_processor(images=images, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"], torch.tensor(labels)
+
+
+def clip_pixels(processor, clips: list) -> dict:
+    """The video processor's output for sampled clips ((frames, metadata, video) each)."""
+    return processor.video_processor(videos=[c[0] for c in clips], video_metadata=[c[1] for c in clips],
+                                     return_tensors="pt", **VIDEO_KWARGS)
+
+
 class CellBatches(torch.utils.data.IterableDataset):
     """Phase 1 batches, (step, kind, pixels, grid, labels): pictures with the content of
     each cell, or clips with the way their shape moves."""
@@ -316,18 +333,11 @@ class CellBatches(torch.utils.data.IterableDataset):
             rng = random.Random(f"{self.seed}-vision-{step}")
             if step >= self.video_from and step % VISION_VIDEO_EVERY == VISION_VIDEO_EVERY - 2:
                 clips = [sample_video(rng) for _ in range(max(1, self.batch_size // 2))]
-                out = self.processor.video_processor(videos=[c[0] for c in clips], video_metadata=[c[1] for c in clips],
-                                                     return_tensors="pt", **VIDEO_KWARGS)
+                out = clip_pixels(self.processor, clips)
                 labels = [shapes.DIRECTIONS.index(c[2].moves[0].direction) for c in clips]
                 yield step, "video", out["pixel_values_videos"], out["video_grid_thw"], torch.tensor(labels)
             else:
-                images, labels = [], []
-                for _ in range(self.batch_size):
-                    scene = shapes.random_scene(rng)
-                    images.append(shapes.through_file(shapes.render(scene, rng), rng))
-                    labels.append(cell_labels(scene))
-                out = self.processor.image_processor(images=images, return_tensors="pt")
-                yield step, "image", out["pixel_values"], out["image_grid_thw"], torch.tensor(labels)
+                yield step, "image", *picture_cell_batch(self.processor, rng, self.batch_size)
             step += 1
 
 
@@ -346,19 +356,12 @@ class ClipBatches(torch.utils.data.IterableDataset):
             rng = random.Random(f"{self.seed}-clips-{step}")
             if step % 2:
                 clips = [sample_video(rng, moving=True) for _ in range(max(1, self.batch_size // 2))]
-                out = self.processor.video_processor(videos=[c[0] for c in clips], video_metadata=[c[1] for c in clips],
-                                                     return_tensors="pt", **VIDEO_KWARGS)
+                out = clip_pixels(self.processor, clips)
                 views = [clip_view(c[2], c[1].total_num_frames) for c in clips]
                 labels = (torch.tensor([v.content for v in views]), torch.tensor([v.offsets for v in views]))
                 yield step, "clip", out["pixel_values_videos"], out["video_grid_thw"], labels
             else:
-                images, labels = [], []
-                for _ in range(self.batch_size):
-                    scene = shapes.random_scene(rng)
-                    images.append(shapes.through_file(shapes.render(scene, rng), rng))
-                    labels.append(cell_labels(scene))
-                out = self.processor.image_processor(images=images, return_tensors="pt")
-                yield step, "image", out["pixel_values"], out["image_grid_thw"], torch.tensor(labels)
+                yield step, "image", *picture_cell_batch(self.processor, rng, self.batch_size)
             step += 1
 
 
