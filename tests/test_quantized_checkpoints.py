@@ -123,3 +123,10 @@ def test_what_is_not_loaded_is_one_line_and_exit_code_2(checkpoints, tmp_path, c
     assert result.returncode == 2
     assert f"the checkpoint is quantized with {named}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_quantizing_an_already_quantized_checkpoint_is_refused(checkpoints):
+    from vlmserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--quantization int8: the checkpoint is already quantized \(awq, 4-bit\)"):
+        LLM(str(checkpoints["awq"][0]), quantization="int8")
