@@ -12,7 +12,7 @@ from torch import nn
 from vlmserve.kernels import ops
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import Linear, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.layers import FusedLinear, Linear, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -103,6 +103,34 @@ class VisionLanguageModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)  # its own Linear: packed or quantized as loaded
         return ops.linear(hidden, self.model.language_model.embed_tokens.weight, None)
+
+    def lora_layers(self) -> dict[str, tuple[Linear, int]]:
+        """What a LoRA adapter can adapt, by checkpoint name: every linear layer of the
+        decoder and the vision tower (not the output head), a fused one under each
+        projection it fuses, with the projection's shard index in it; the patch embedding
+        under its convolution's name (a convolution whose stride is its kernel is this
+        linear layer on flattened patches)."""
+        fused: dict[str, list[tuple[int, str]]] = {}
+        for part, (target, index) in {**self.extra_fused, **FUSED_PROJECTIONS}.items():
+            fused.setdefault(target, []).append((index, part))
+        layers = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear) or module is self.lm_head:
+                continue
+            if name.endswith(".patch_embed"):
+                name += ".proj"
+            target = next((t for t in fused if t in name + "."), None) if isinstance(module, FusedLinear) else None
+            if target is None:
+                layers[name] = (module, 0)
+            else:
+                layers.update({(name + ".").replace(target, part)[:-1]: (module, index) for index, part in fused[target]})
+        return layers
+
+    @staticmethod
+    def is_vision_layer(name: str) -> bool:
+        """Whether a layer (checkpoint name) works on pictures: the vision tower's and the
+        projector's, everything outside the decoder."""
+        return not name.startswith("model.language_model.")
 
     @staticmethod
     def canonical_name(name: str) -> str:

@@ -8,6 +8,7 @@ from torch import nn
 
 from vlmserve.kernels import ops
 from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, dequantize, quantizable, quantize
+from vlmserve.models.lora import LinearLoRA, LoRABatch
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -42,11 +43,25 @@ class ZeroCenteredRMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear`, so that a device can run it on a prepacked copy of
     the weight (`pack()`), or on a low-bit copy in its place (`quantize()`); either is
-    called once after the weights are loaded."""
+    called once after the weights are loaded. With LoRA slots (`enable_lora()`), each
+    token's adapter adds its low-rank product to the output."""
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     quantized_parts: dict[int, QuantizedWeight] | None = None  # a fused layer's shards, while loading
+    lora: LinearLoRA | None = None
+
+    @property
+    def shard_sizes_out(self) -> list[int]:
+        """The output rows of each projection it computes (one, unless fused)."""
+        return [self.out_features]
+
+    def enable_lora(self, batch: LoRABatch, num_slots: int, max_rank: int) -> LinearLoRA:
+        if self.lora is None:
+            dtype = self.weight.dtype if self.quantized is None else self.quantized.dtype
+            self.lora = LinearLoRA(batch, num_slots, self.in_features, self.shard_sizes_out, max_rank, dtype,
+                                   self.weight.device)
+        return self.lora
 
     def pack(self) -> None:
         if self.quantized is None:
@@ -90,8 +105,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return ops.quantized_linear(x, self.quantized, self.bias)
-        return ops.linear(x, self.weight, self.bias, self.packed_weight)
+            out = ops.quantized_linear(x, self.quantized, self.bias)
+        else:
+            out = ops.linear(x, self.weight, self.bias, self.packed_weight)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
 
 class FusedLinear(Linear):
@@ -101,6 +118,10 @@ class FusedLinear(Linear):
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = list(shard_sizes)
+
+    @property
+    def shard_sizes_out(self) -> list[int]:
+        return self.shard_sizes
 
 
 class GatedMLP(nn.Module):

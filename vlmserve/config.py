@@ -25,6 +25,8 @@ class SchedulerConfig:
     # prompt tokens one request computes in a step at most (None: the token budget); a
     # small cache with sliding-window layers must hold a lone request's whole chunk
     max_chunk_tokens: int | None = None
+    # LoRA adapters running at once (the runner's slots); a request for another waits
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -72,6 +74,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs under (None: the base model)
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -122,6 +125,7 @@ class Request:
             self.priority,
             self.cache_salt,
             block_hasher=None,
+            lora_request=self.lora_request,
         )
         clone._block_hasher = self._block_hasher
         clone.block_hashes = list(self.block_hashes)

@@ -2,8 +2,9 @@
 
 H_i = xxh3_128(H_{i-1} || token ids of block i || extra keys), full blocks only. The
 extra keys are the mm_hash of every media item whose placeholder overlaps block i and,
-on block 0, the request's cache_salt: the same image at the same place gives the same
-chain; a different image behind identical placeholder tokens never does.
+on block 0, the request's cache_salt and LoRA adapter: the same image at the same place
+gives the same chain; a different image behind identical placeholder tokens, or another
+adapter, never does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def block_extra_keys(request: Request, start: int, end: int) -> tuple[str, ...]:
     keys = [f.mm_hash for f in request.mm_features if f.overlaps(start, end)]
     if start == 0 and request.cache_salt:
         keys.append("salt:" + request.cache_salt)
+    if start == 0 and request.lora_request is not None:  # another adapter computes other KV
+        keys.append(request.lora_request.cache_key)
     return tuple(keys)
 
 

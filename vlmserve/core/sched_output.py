@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequestData:
     mrope_delta: int
     # tokens already generated before a preemption (recomputed with the prompt)
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclass

@@ -260,9 +260,15 @@ class Scheduler:
         plan.preempted.append(victim)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        """Waiting requests, by priority then arrival, each after a prefix-cache lookup."""
+        """Waiting requests, by priority then arrival, each after a prefix-cache lookup. A
+        request whose LoRA adapter would be one more than the slots hold waits (the
+        others go ahead of it) until a running adapter's requests are done."""
+        waiting_for_lora = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._lora_fits(request):
+                waiting_for_lora.append(self.waiting.pop())
+                continue
             hit = self.kv_cache_manager.find_prefix_hit(request)
             num_new, to_encode, cost = self._plan_tokens(request, hit.num_tokens, plan)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit, self.config.num_lookahead_tokens) \
@@ -280,6 +286,15 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
                 self.kv_cache_manager.record_hit(request, hit)
             plan.add(request, num_new, to_encode, cost, blocks, new=True)
+        for request in waiting_for_lora:
+            self.waiting.add(request)
+
+    def _lora_fits(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _plan_tokens(self, request: Request, num_computed: int, plan: StepPlan) -> tuple[int, list[int], int]:
         """How many tokens the request computes this step, which of its media go through
@@ -306,6 +321,7 @@ class Scheduler:
                 mrope_positions=r.mrope_positions,
                 mrope_delta=r.mrope_delta,
                 output_token_ids=list(r.output_token_ids),
+                lora_request=r.lora_request,
             )
             for r in plan.new
         ]

@@ -42,6 +42,12 @@ class EngineArgs:
     # int8 per output channel, int4 in groups of 128 inputs); decoding reads 1/2 or 1/4
     # of the bytes. The vision tower, embeddings and output head stay in --dtype
     quantization: str | None = None
+    # serve LoRA adapters (PEFT's format) named per request (serve --lora-modules, LLM's
+    # lora_request): each request runs under its own, in one batch with the others
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in use at once (a slot each); a request for another waits for a free slot
+    max_lora_rank: int = 16  # the largest rank an adapter may have
+    max_cpu_loras: int | None = None  # adapters kept read in memory besides the slots (default: max_loras)
     max_model_len: int | None = None  # context length (default: the model's, capped by the KV cache)
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens one step computes at most
@@ -117,6 +123,10 @@ class EngineArgs:
         if published and self.quantization:
             raise ConfigError(f"--quantization {self.quantization}: the checkpoint is already quantized "
                               f"({published.method}, {published.bits}-bit)")
+
+    def check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-loras {self.max_loras} and --max-lora-rank {self.max_lora_rank} must be positive")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

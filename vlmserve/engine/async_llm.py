@@ -23,6 +23,7 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine, ProcessedRequest
 from vlmserve.engine.model_source import served_name
+from vlmserve.lora.request import LoRARequest
 from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
@@ -97,6 +98,10 @@ class AsyncLLM:
         return self._engine.render_chat(messages, add_generation_prompt, chat_template_kwargs, tools,
                                         continue_final_message)
 
+    def check_lora(self, lora: LoRARequest) -> None:
+        """LoRAError (a ValueError) if this engine cannot serve the adapter."""
+        self._engine.check_lora(lora)
+
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         """The tokens a prompt becomes (its media processed), in the media pool."""
         loop = asyncio.get_running_loop()
@@ -112,6 +117,7 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they improve; the last one is finished.
 
@@ -137,8 +143,8 @@ class AsyncLLM:
             grammar = self._engine.compile_grammar(params)
             pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
             processed: ProcessedRequest = await loop.run_in_executor(
-                pool, self._engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time()
-            )
+                pool, self._engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time(),
+                lora_request)
             if grammar is not None:
                 # shielded: the compile is shared with every request of the same spec, and
                 # this one leaving must not cancel it

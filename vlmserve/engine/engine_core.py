@@ -17,6 +17,7 @@ from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from vlmserve.engine.args import EngineArgs
 from vlmserve.errors import ConfigError
 from vlmserve.kernels import kernel_table
+from vlmserve.lora.adapter import LoRATarget
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.engine.model_source import draft_checkpoint
@@ -24,6 +25,7 @@ from vlmserve.spec_decode.draft_model import load_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model
+from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ class CoreInfo:
     num_kv_cache_groups: int
     dtype: str
     seconds: float  # to build it
+    # with LoRA on: what an adapter may adapt, by checkpoint name (the front end checks
+    # adapters against it before a request names one)
+    lora_targets: dict[str, LoRATarget] | None = None
 
 
 class EngineCore:
@@ -163,15 +168,18 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         max_running_for_drafts=speculative.disable_by_batch_size if speculative else None,
         num_lookahead_tokens=lookahead,
         max_chunk_tokens=max_chunk_tokens,
+        max_loras=args.max_loras if args.enable_lora else 0,
     )
     timer = timer or PhaseTimer(args.time_steps)
+    lora = LoRASlots(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras, torch.device(args.device)) \
+        if args.enable_lora else None
     runner = ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device, args.seed, timer,
-                         speculative, draft_model)
+                         speculative, draft_model, lora)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
     info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, lora.targets if lora else None)
     return EngineCore(scheduler, runner, structured, timer), info
 
 

@@ -5,9 +5,11 @@ sees it. Thread-safe: entry points run it in a pool, off the engine's step loop.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.multimodal.processor import MultiModalProcessor, ProcessedMedia, normalize_settings
 from vlmserve.request import Request
@@ -115,7 +117,11 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        lora_adapts_vision: bool = False,
     ) -> Request:
+        """The request of a prompt; its media's hashes name the adapter where the adapter
+        changes how pictures are encoded (the encoder cache keeps them apart)."""
         inp = PromptInput.parse(prompt)
         if inp.prompt is None and inp.prompt_token_ids is None:
             raise ValueError("a prompt needs 'prompt' text or 'prompt_token_ids'")
@@ -137,6 +143,8 @@ class InputProcessor:
             token_ids, media = self._truncate(token_ids, media, inp.truncate_prompt_tokens)
         self._check_length(len(token_ids))
         features = self._features(token_ids, media)
+        if lora_adapts_vision:
+            features = [dataclasses.replace(f, mm_hash=f"{f.mm_hash}@{lora_request.cache_key}") for f in features]
         positions, delta = self.model_cls.mrope_positions(self.hf_config, token_ids, features)
         request = Request(
             request_id=request_id,
@@ -150,6 +158,7 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             block_hasher=self.block_hasher,
+            lora_request=lora_request,
         )
         request.cache_points = self._cache_points(token_ids, features)
         return request

@@ -24,6 +24,8 @@ from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.engine.stats import EngineStats
+from vlmserve.lora.adapter import LoRAAdapter, LoRAError, read_adapter
+from vlmserve.lora.request import LoRARequest
 from vlmserve.models import get_model_class
 from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
@@ -53,6 +55,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         args.check_device()
+        args.check_lora()
         args.speculative()  # its settings are checked before anything is loaded
         self.args = args
         self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
@@ -65,6 +68,7 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(self.model_path)
         args.check_quantization(hf_config)
         self.hf_config = hf_config
+        self.model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
         media_loader = MediaLoader(args.media_limits())
         self.mm_processor = MultiModalProcessor(
             self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
@@ -84,6 +88,8 @@ class LLMEngine:
         self.core = core_cls(args, self.model_path, self.eos_token_id, self.timer)
         info = self.core.info
         self.max_model_len = info.max_model_len
+        self.lora_targets = info.lora_targets
+        self._checked_loras: dict[LoRARequest, LoRAAdapter] = {}
         self.input_processor = self._input_processor(hf_config, info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_limits = args.grammar_limits()
@@ -111,7 +117,7 @@ class LLMEngine:
     # -- setup helpers -------------------------------------------------------------------
     def _input_processor(self, hf_config, info) -> InputProcessor:
         args = self.args
-        model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+        model_cls = self.model_cls
         max_media_tokens = min(args.encoder_compute_budget, args.encoder_cache_size)
         if getattr(model_cls, "bidirectional_media", False):  # a picture's tokens go in one step
             max_media_tokens = min(max_media_tokens, info.max_chunk_tokens)
@@ -153,27 +159,43 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validates and processes a request (media included, its grammar compiled); raises
         ValueError on bad input. Thread-safe and independent of the step loop: run it in a
         worker pool."""
         params = self.check_params(params or self.default_sampling_params())
         grammar = self.compile_grammar(params)
-        processed = self.process_inputs(request_id, prompt, params, priority, cache_salt, arrival_time)
+        processed = self.process_inputs(request_id, prompt, params, priority, cache_salt, arrival_time, lora_request)
         if grammar is not None:
             processed.grammar = grammar.result()
         return processed
 
     def process_inputs(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> ProcessedRequest:
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """The prompt's tokens and media (params already checked); the grammar is left to
         `compile_grammar`. Thread-safe."""
         arrival_time = arrival_time or time.time()
+        adapts_vision = lora_request is not None and self.check_lora(lora_request).touches_vision
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
-        request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority, cache_salt)
+        request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority,
+                                               cache_salt, lora_request, adapts_vision)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def check_lora(self, lora: LoRARequest) -> LoRAAdapter:
+        """An adapter this engine can serve (its shapes; read once per adapter), or
+        LoRAError saying why not."""
+        checked = self._checked_loras.get(lora)
+        if checked is None:
+            if self.lora_targets is None:
+                raise LoRAError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off: start the engine with "
+                                f"--enable-lora (LLM(enable_lora=True))")
+            checked = read_adapter(lora.lora_path, self.lora_targets, self.args.max_lora_rank,
+                                   self.model_cls.canonical_name, weights=False)
+            self._checked_loras[lora] = checked
+        return checked
 
     def compile_grammar(self, params: SamplingParams) -> Future | None:
         """A future of the compiled grammar of a request with structured output (compiled in
@@ -235,8 +257,10 @@ class LLMEngine:
             self.core.add_request(request)
 
     def add_request(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
-        self.add_processed(self.process_request(request_id, prompt, params, priority, cache_salt, arrival_time))
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        self.add_processed(self.process_request(request_id, prompt, params, priority, cache_salt, arrival_time,
+                                                lora_request))
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Ends requests (finish reason "abort"; `error` says why, if not the caller's

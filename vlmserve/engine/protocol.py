@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from vlmserve.engine.input_processor import PromptInput
+from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -36,9 +37,14 @@ class EngineClient(Protocol):
         """The tokens a prompt becomes, its pictures and videos expanded (/tokenize)."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they improve (the last one finished); ValueError (or
         ParamError) for bad input before the first; closing the iterator aborts it."""
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """LoRAError (a ValueError) if the engine cannot serve the adapter (LoRA off, a
+        layer the model lacks, a rank over the limit, ...)."""
 
     def abort(self, request_id: str) -> None: ...
 

@@ -12,6 +12,7 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
@@ -41,10 +42,13 @@ class LLM:
         prompts: str | dict | PromptInput | Sequence[str | dict | PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one per prompt (None: the base
+        model); the engine needs enable_lora=True."""
         if isinstance(prompts, (str, dict, PromptInput)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, priority)
+        return self._run(list(prompts), sampling_params, priority, lora_request)
 
     def chat(
         self,
@@ -52,6 +56,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of such lists)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -59,9 +64,9 @@ class LLM:
             self.engine.render_chat(conv, add_generation_prompt, chat_template_kwargs)
             for conv in conversations
         ]
-        return self._run(prompts, sampling_params, None)
+        return self._run(prompts, sampling_params, None, lora_request)
 
-    def _run(self, prompts, sampling_params, priority) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, priority, lora_request=None) -> list[RequestOutput]:
         """Media processing runs in a thread pool while the engine steps: requests enter
         the batch as soon as their pictures are ready. A request that cannot be processed
         raises its error, and the others are aborted."""
@@ -69,12 +74,18 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lora in set(loras) - {None}:
+            self.engine.check_lora(lora)  # before any request starts
         engine = self.engine
         ids = [str(next(self._ids)) for _ in prompts]
         feeder = EngineFeeder(engine, self._pool)
-        for i, (rid, prompt, params) in enumerate(zip(ids, prompts, sampling_params)):
+        for i, (rid, prompt, params, lora) in enumerate(zip(ids, prompts, sampling_params, loras)):
             feeder.submit(rid, functools.partial(engine.process_request, rid, prompt, params,
-                                                 priority[i] if priority else 0))
+                                                 priority[i] if priority else 0, lora_request=lora))
         finished: dict[str, RequestOutput] = {}
         try:
             while feeder.pending():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from vlmserve.core.sched_output import LogprobsEntry
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class CachedRequestState:
     num_computed_tokens: int
     num_output_tokens: int
     state_slot: int | None = None  # recurrent layers' state slot
+    lora_request: LoRARequest | None = None  # the adapter it runs under
     prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
 
 

@@ -12,12 +12,15 @@ from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec,
 from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
+from vlmserve.lora.request import LoRARequest
+from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.spec_decode.draft_model import DraftModelProposer
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.spec_decode.proposer import Proposer
 from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
+from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.rejection_sampler import can_verify, verify
 from vlmserve.worker.sampler import build_sampling_batch, logprobs_entry, sample
 from vlmserve.worker.staging import Staging
@@ -37,8 +40,10 @@ class ModelRunner:
         timer: PhaseTimer | None = None,
         speculative: SpeculativeConfig | None = None,
         draft_model: torch.nn.Module | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # the adapters' slots, where LoRA is on
         self.kernels = kernels  # every op the model calls in this runner's steps
         self.timer = timer or PhaseTimer()
         self.eos_token_id = eos_token_id
@@ -125,7 +130,14 @@ class ModelRunner:
             embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache)
         with timer.phase("runner: forward"):
             self.inputs.copy_states(so.state_restores, self.plan)
-            hidden = self.model.forward(embeds, step.positions, ctx)
+            if self.lora:
+                states = self.input_batch.states
+                self.lora.set_tokens([states[row].lora_request for row in step.rows], step.query_lens)
+            try:
+                hidden = self.model.forward(embeds, step.positions, ctx)
+            finally:
+                if self.lora:
+                    self.lora.clear()
             self.inputs.copy_states(so.state_saves, self.plan)
         with timer.phase("runner: sample"):
             sampled, logprobs, prompt_logprobs = self._sample(step, hidden, grammar)
@@ -168,6 +180,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 num_output_tokens=len(new.output_token_ids),
                 state_slot=new.state_slot,
+                lora_request=new.lora_request,
             )
             batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids)
         cached = so.scheduled_cached_reqs
@@ -183,13 +196,28 @@ class ModelRunner:
         todo = {}
         for rid, input_ids in so.scheduled_encoder_inputs.items():
             state = batch.states[batch.index_of[rid]]
+            # an adapter of the vision tower encodes the request's media its own way (their
+            # hashes say so, the front end tagged them)
+            lora = state.lora_request if self.lora and state.lora_request and \
+                self.lora.touches_vision(state.lora_request) else None
             for i in input_ids:
                 feature = state.mm_features[i]
-                todo.setdefault(feature.mm_hash, feature)
-        if not todo:
-            return
-        features = list(todo.values())
-        for feature, out in zip(features, self.model.embed_multimodal(features)):
+                todo.setdefault(feature.mm_hash, (feature, lora))
+        by_adapter: dict[LoRARequest | None, list[MultiModalFeature]] = {}
+        for feature, lora in todo.values():
+            by_adapter.setdefault(lora, []).append(feature)
+        for lora, features in by_adapter.items():
+            self._encode(features, lora)
+
+    def _encode(self, features: list[MultiModalFeature], lora: LoRARequest | None) -> None:
+        if self.lora:
+            self.lora.set_all(lora)
+        try:
+            outputs = self.model.embed_multimodal(features)
+        finally:
+            if self.lora:
+                self.lora.clear()
+        for feature, out in zip(features, outputs):
             if out.shape[0] != feature.length:
                 raise RuntimeError(
                     f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"

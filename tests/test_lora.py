@@ -1,0 +1,179 @@
+"""LoRA adapters: made with PEFT on the test checkpoints, served by vlmserve in mixed
+batches, checked against transformers + PEFT (fp32: greedy tokens equal, logprobs 1e-4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import HFReference, make_image
+from test_scheduler import FakeRunner, assert_everything_free, make_request, make_scheduler, run_to_completion
+from vlmserve import LLM, LoRARequest, SamplingParams
+from vlmserve.core.kv_cache_utils import BlockHasher
+from vlmserve.lora.adapter import LoRAError
+from vlmserve.request import Request
+from vlmserve.testing.lora_adapters import write_lora_adapter
+
+LANGUAGE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Qwen2.5-VL's vision tower: attention, its output, the patch embedding (a Conv3d), the merger
+VISION = ["qkv", "attn.proj", "patch_embed.proj", "merger.mlp.0", "merger.mlp.2"]
+IMG = make_image(64, 64, 0)
+IMG_B = make_image(56, 84, 5)
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen25_path, tmp_path_factory):
+    """Three adapters of the tiny Qwen2.5-VL: attention only (rank 4); the MLP (rank 8,
+    rsLoRA, a per-module alpha); everything, the vision tower included (rank 16)."""
+    root = tmp_path_factory.mktemp("loras")
+    paths = {
+        "attn": write_lora_adapter(qwen25_path, root / "attn", 4, ["q_proj", "v_proj", "o_proj"], seed=1),
+        "mlp": write_lora_adapter(qwen25_path, root / "mlp", 8, ["gate_proj", "up_proj", "down_proj"], seed=2,
+                                  use_rslora=True, alpha_pattern={"down_proj": 4}),
+        "vision": write_lora_adapter(qwen25_path, root / "vision", 16, LANGUAGE + VISION, seed=3, std=0.1),
+    }
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(paths.items())}
+
+
+class PeftReference:
+    """transformers' model under each adapter (PEFT), and without one."""
+
+    def __init__(self, base: str, adapters: dict[str, LoRARequest]) -> None:
+        from peft import PeftModel
+
+        self.base = HFReference(base)
+        self.refs = {None: self.base}
+        for name, lora in adapters.items():
+            ref = HFReference(base)
+            ref.model = PeftModel.from_pretrained(ref.model, lora.lora_path).eval()
+            self.refs[name] = ref
+
+    def prompt(self, text: str, n_images: int) -> str:
+        return self.base.prompt(text, n_images)
+
+    def generate(self, adapter: str | None, prompt: str, images, max_tokens: int):
+        return self.refs[adapter].generate(prompt, images, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def peft_qwen25(qwen25_path, adapters):
+    return PeftReference(qwen25_path, adapters)
+
+
+def greedy(max_tokens=8):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+
+
+def check_all(llm, ref, cases, adapters, max_tokens=8):
+    """Runs the cases (adapter name or None, text, images) as one batch; each answer equals
+    the reference's under its adapter."""
+    prompts = [{"prompt": ref.prompt(text, len(images)), "multi_modal_data": {"image": images}}
+               for _, text, images in cases]
+    loras = [adapters[name] if name else None for name, _, _ in cases]
+    outputs = llm.generate(prompts, greedy(max_tokens), lora_request=loras)
+    for (name, text, images), out in zip(cases, outputs):
+        tokens, logprobs = ref.generate(name, ref.prompt(text, len(images)), images, max_tokens)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, (name, text)
+        chosen = torch.tensor([entry.logprobs[0] for entry in got.logprobs])
+        assert torch.allclose(chosen, logprobs[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-4)
+    return outputs
+
+
+MIXED = [(name, text, images) for name in ("attn", "mlp", "vision", None)
+         for text, images in (("Describe the image. " * 3, [IMG]), ("Tell me a story about a fox.", []))]
+
+
+def test_adapters_change_the_answers(peft_qwen25):
+    """The test adapters are strong enough to change greedy answers (else parity proves nothing)."""
+    prompt = peft_qwen25.prompt("Describe the image.", 1)
+    answers = {name: tuple(peft_qwen25.generate(name, prompt, [IMG], 8)[0]) for name in (None, "attn", "mlp", "vision")}
+    assert len(set(answers.values())) == 4
+
+
+def test_mixed_batch_matches_peft_with_chunks_and_prefix_hits(qwen25_path, adapters, peft_qwen25):
+    """Three adapters and the base model in one batch, prompts cut into chunks of 24
+    tokens, two slots for three adapters (a request waits for a slot, never fails); run
+    twice: the second run hits the prefix cache of its own adapter only."""
+    llm = LLM(qwen25_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256,
+              max_num_batched_tokens=24)
+    first = check_all(llm, peft_qwen25, MIXED, adapters)
+    # one picture, shared by the base model and the adapter that leaves the tower alone
+    # (attn); encoded its own way under the vision adapter and under the MLP one (its
+    # module names match the tower's MLP too, and PEFT adapts both)
+    assert llm.engine.engine_core.runner.encoder_runs == 3
+    second = check_all(llm, peft_qwen25, MIXED, adapters)
+    assert llm.engine.engine_core.runner.encoder_runs == 3
+    for a, b in zip(first, second):
+        assert a.num_cached_tokens == 0 and b.num_cached_tokens > 0
+    # a prompt seen before under one adapter is new to another: no KV shared
+    moved = check_all(llm, peft_qwen25, [("mlp", "Describe the image. " * 3, [IMG_B]),
+                                         ("attn", "Describe the image. " * 3, [IMG_B])], adapters)
+    assert moved[1].num_cached_tokens == 0
+
+
+def test_preemption_keeps_each_requests_adapter(qwen25_path, adapters, peft_qwen25):
+    llm = LLM(qwen25_path, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=24,
+              max_num_seqs=8)
+    check_all(llm, peft_qwen25, MIXED, adapters, max_tokens=16)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_block_hashes_differ_per_adapter(adapters):
+    def hashes(lora):
+        return Request("r", list(range(40)), SamplingParams(), 0, block_hasher=BlockHasher(16),
+                       lora_request=lora).block_hashes
+
+    assert hashes(None) != hashes(adapters["attn"]) != hashes(adapters["mlp"])
+    assert hashes(adapters["attn"]) == hashes(adapters["attn"])
+    reloaded = dataclasses.replace(adapters["attn"], lora_int_id=9)  # the same name loaded again: new weights
+    assert hashes(reloaded) != hashes(adapters["attn"])
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_and_the_rest_wait():
+    sched = make_scheduler(budget=64, max_seqs=8)
+    sched.config.max_loras = 2
+    loras = [LoRARequest(f"a{i}", i, "/unused") for i in (1, 2, 3)]
+    for i in range(6):
+        request = make_request(f"r{i}", 10, 5, seed=i)
+        request.lora_request = loras[i % 3]
+        sched.add_request(request)
+    seen = []
+
+    def watch(step, so):
+        adapters = {sched.requests[rid].lora_request.lora_int_id for rid in so.num_scheduled_tokens
+                    if rid in sched.requests}
+        seen.append(len({r.lora_request.lora_int_id for r in sched.running}))
+        assert len(adapters) <= 2
+
+    run_to_completion(sched, FakeRunner(sched), watch)
+    assert max(seen) == 2
+    assert_everything_free(sched)
+
+
+def test_refusals_name_what_is_wrong(qwen25_path, adapters, tmp_path):
+    llm = LLM(qwen25_path, dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    prompt = "Tell me a story."
+    with pytest.raises(LoRAError, match=r"rank 16 .* over --max-lora-rank 8"):
+        llm.generate(prompt, greedy(), lora_request=adapters["vision"])
+    head = write_lora_adapter(qwen25_path, tmp_path / "head", 4, ["lm_head"], seed=4)
+    with pytest.raises(LoRAError, match="(adapts|whole weight of) lm_head"):
+        llm.generate(prompt, greedy(), lora_request=LoRARequest("head", 7, str(head)))
+    dora = write_lora_adapter(qwen25_path, tmp_path / "dora", 4, ["q_proj"], seed=5, use_dora=True)
+    with pytest.raises(LoRAError, match="DoRA"):
+        llm.generate(prompt, greedy(), lora_request=LoRARequest("dora", 8, str(dora)))
+    saved = write_lora_adapter(qwen25_path, tmp_path / "saved", 4, ["q_proj"], seed=6, modules_to_save=["lm_head"])
+    with pytest.raises(LoRAError, match="modules_to_save"):
+        llm.generate(prompt, greedy(), lora_request=LoRARequest("saved", 9, str(saved)))
+    with pytest.raises(LoRAError, match="no adapter_config.json"):
+        llm.generate(prompt, greedy(), lora_request=LoRARequest("none", 10, str(tmp_path / "missing")))
+    config = json.loads((head / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["lm_head"]  # what was refused is what PEFT wrote
+    # nothing was left behind by the refusals: a good adapter still runs
+    assert llm.generate(prompt, greedy(), lora_request=adapters["attn"])[0].outputs[0].token_ids
+    off = LLM(qwen25_path, dtype="float32", num_kv_blocks=64)
+    with pytest.raises(LoRAError, match="LoRA is off: start the engine with --enable-lora"):
+        off.generate(prompt, greedy(), lora_request=adapters["attn"])
