@@ -177,3 +177,79 @@ def test_refusals_name_what_is_wrong(qwen25_path, adapters, tmp_path):
     off = LLM(qwen25_path, dtype="float32", num_kv_blocks=64)
     with pytest.raises(LoRAError, match="LoRA is off: start the engine with --enable-lora"):
         off.generate(prompt, greedy(), lora_request=adapters["attn"])
+
+
+# -- the server ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lora_server(qwen25_path, adapters):
+    from test_openai_server import Server
+
+    server = Server(qwen25_path, "--dtype", "float32", "--num-kv-blocks", "256", "--max-loras", "2",
+                    "--lora-modules", f"attn={adapters['attn'].lora_path}",
+                    f'{{"name": "vision", "path": "{adapters["vision"].lora_path}"}}',
+                    "--allow-runtime-lora-updating")
+    yield server
+    server.stop()
+
+
+def picture_chat(client, model, max_tokens=8, stream=False):
+    from conftest import data_url
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMG)}},
+                                             {"type": "text", "text": "Describe the image."}]}]
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          stream=stream, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_server_serves_adapters_by_model_name(lora_server, peft_qwen25):
+    client = lora_server.client()
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "attn", "vision"}
+    assert cards["attn"].parent == "tiny" and cards["tiny"].parent is None
+    prompt = peft_qwen25.prompt("Describe the image.", 1)
+    for model, adapter in (("attn", "attn"), ("vision", "vision"), ("tiny", None)):
+        tokens, _ = peft_qwen25.generate(adapter, prompt, [IMG], 8)
+        answer = picture_chat(client, model)
+        assert answer.model == model
+        assert answer.choices[0].token_ids == tokens, model
+    # streamed, under an adapter
+    chunks = list(picture_chat(client, "vision", stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    tokens, _ = peft_qwen25.generate("vision", prompt, [IMG], 8)
+    assert text == peft_qwen25.base.processor.tokenizer.decode(tokens, skip_special_tokens=True)
+    with pytest.raises(Exception, match="model 'nope' does not exist"):
+        picture_chat(client, "nope")
+
+
+def test_adapters_load_and_unload_while_requests_run(lora_server, adapters, peft_qwen25, tmp_path, qwen25_path):
+    import concurrent.futures
+
+    import httpx
+
+    client = lora_server.client()
+    prompt = peft_qwen25.prompt("Describe the image.", 1)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(picture_chat, client, "attn", 64)
+        loaded = httpx.post(lora_server.base + "/v1/load_lora_adapter",
+                            json={"lora_name": "mlp", "lora_path": adapters["mlp"].lora_path}, timeout=60)
+        assert loaded.status_code == 200 and "added" in loaded.text
+        answer = picture_chat(client, "mlp")
+        assert answer.choices[0].token_ids == peft_qwen25.generate("mlp", prompt, [IMG], 8)[0]
+        unloaded = httpx.post(lora_server.base + "/v1/unload_lora_adapter", json={"lora_name": "attn"}, timeout=60)
+        assert unloaded.status_code == 200
+        # the request that was running under it finishes under it
+        long = running.result(timeout=120)
+        assert long.choices[0].token_ids[:8] == peft_qwen25.generate("attn", prompt, [IMG], 8)[0]
+    assert "attn" not in {m.id for m in client.models.list().data}
+    with pytest.raises(Exception, match="model 'attn' does not exist"):
+        picture_chat(client, "attn")
+    again = httpx.post(lora_server.base + "/v1/load_lora_adapter",
+                       json={"lora_name": "mlp", "lora_path": adapters["mlp"].lora_path}, timeout=60)
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    dora = write_lora_adapter(qwen25_path, tmp_path / "dora", 4, ["q_proj"], seed=5, use_dora=True)
+    refused = httpx.post(lora_server.base + "/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": str(dora)},
+                         timeout=60)
+    assert refused.status_code == 400 and "DoRA" in refused.json()["error"]["message"]
+    missing = httpx.post(lora_server.base + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
+    assert missing.status_code == 404
+    assert httpx.get(lora_server.base + "/health").status_code == 200

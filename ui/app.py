@@ -108,8 +108,17 @@ class ChatApp:
             self.model = models.data[0].id
         return self.model
 
-    async def respond(self, history: list[dict], temperature, top_p, max_tokens, seed, detail, max_pixels):
-        """Streams the answer to the conversation so far into the last assistant message."""
+    async def model_choices(self) -> gr.Dropdown:
+        """The server's models: the base model and its LoRA adapters (/v1/models)."""
+        try:
+            names = [m.id for m in (await self.client.models.list()).data]
+        except openai.APIError:  # not reachable yet: the first answer says so
+            names = [self.model] if self.model else []
+        return gr.Dropdown(choices=names, value=self.model or (names[0] if names else None))
+
+    async def respond(self, history: list[dict], model, temperature, top_p, max_tokens, seed, detail, max_pixels):
+        """Streams the answer to the conversation so far, by the chosen model (the base
+        model or one of its adapters), into the last assistant message."""
         seed = str(seed or "").strip()
         settings = Settings(temperature, top_p, int(max_tokens), int(seed) if seed.lstrip("-").isdigit() else None,
                             detail, int(max_pixels) if max_pixels else None)
@@ -122,7 +131,7 @@ class ChatApp:
             messages = to_openai_messages(history[:-1], settings.detail)
             extra = {"mm_processor_kwargs": {"max_pixels": settings.max_pixels}} if settings.max_pixels else {}
             stream = await self.client.chat.completions.create(
-                model=await self._model(), messages=messages, stream=True, stream_options={"include_usage": True},
+                model=model or await self._model(), messages=messages, stream=True, stream_options={"include_usage": True},
                 temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens,
                 seed=settings.seed, extra_body=extra,
             )
@@ -157,6 +166,8 @@ class ChatApp:
     def build(self) -> gr.Blocks:
         with gr.Blocks(title="vlmserve") as demo:
             gr.Markdown("## vlmserve — chat about pictures and videos")
+            model = gr.Dropdown(choices=[self.model] if self.model else [], value=self.model, elem_id="model",
+                                label="model (the base model, or one of its LoRA adapters)")
             chatbot = gr.Chatbot(elem_id="chat", height=460)
             stats = gr.Markdown(elem_id="stats")
             box = gr.MultimodalTextbox(elem_id="input", file_count="multiple", file_types=["image", "video"],
@@ -173,7 +184,7 @@ class ChatApp:
                 seed = gr.Textbox(value="", label="seed (empty: random)", elem_id="seed")
                 detail = gr.Radio(["auto", "high", "low"], value="auto", label="image detail")
                 max_pixels = gr.Number(value=0, precision=0, label="max pixels per image (0: the model's)")
-            knobs = [temperature, top_p, max_tokens, seed, detail, max_pixels]
+            knobs = [model, temperature, top_p, max_tokens, seed, detail, max_pixels]
             if self.samples:
                 gr.Examples([[{"text": q, "files": [p]}] for p, q in self.samples], inputs=[box],
                             label="Sample pictures (click one)")
@@ -199,6 +210,7 @@ class ChatApp:
                 self.respond, [chatbot, *knobs], [chatbot, stats])
             stop.click(lambda: gr.MultimodalTextbox(interactive=True), None, [box], cancels=[submit, regen])
             clear.click(lambda: ([], ""), None, [chatbot, stats], queue=False, cancels=[submit, regen])
+            demo.load(self.model_choices, None, [model])
         return demo
 
 

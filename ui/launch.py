@@ -36,12 +36,15 @@ def run_ui(args) -> None:
         from vlmserve.engine.model_source import served_name
         from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
 
+        from vlmserve.entrypoints.cli import lora_modules
+
+        adapters = lora_modules(args)
         engine = AsyncLLM(EngineArgs.from_namespace(args), max_pending_requests=args.max_pending_requests,
                           served_model_name=args.served_model_name, metrics_names=args.metrics_names)
         name = args.served_model_name or served_name(args.model, engine.model_path)
         # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
         # or without; the UI's own calls go through it like any client's
-        app = OpenAIServer(engine, name, api_key=args.api_key).build_app()
+        app = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating).build_app()
         own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         chat = ChatApp(f"http://{own}:{args.port}/v1", args.api_key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)

@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import re
 import sys
 import types as types_module
@@ -120,6 +121,41 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
                         "labels: its dashboards work unchanged) or vlmserve's earlier ones (vlmserve:*)")
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """'name=path', or vLLM's JSON form '{"name": ..., "path": ...}' -> (name, path)"""
+    if text.lstrip().startswith("{"):
+        value = parse_json_object(text)
+        if not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ...}}, got {text!r}")
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """Adapters served under names of their own (serve, ui)."""
+    group = p.add_argument_group("LoRA adapters")
+    group.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
+                       help="PEFT LoRA adapters, each served under its name (a request's \"model\"); turns on "
+                            "--enable-lora")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as in vLLM); turns on --enable-lora")
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """The adapters named on the command line; LoRA is turned on where any may be served."""
+    modules = dict(args.lora_modules)
+    if len(modules) != len(args.lora_modules):
+        raise ConfigError("--lora-modules: a name is given twice")
+    if modules or args.allow_runtime_lora_updating:
+        args.enable_lora = True
+    return modules
+
+
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     """Engine replicas on Ray Serve behind this server (serve --replicas N)."""
     r = p.add_argument_group("replicas (Ray Serve)")
@@ -146,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_http_args(serve, port=8000)
+    add_lora_args(serve)
     add_replica_args(serve)
 
     caption = sub.add_parser("caption", help="caption images and videos into a JSONL file")
@@ -157,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="Gradio chat UI (with the engine in-process, or for --api-base)")
     add_engine_args(ui)
     add_http_args(ui, port=7860)
+    add_lora_args(ui)
     ui.add_argument("--api-base", default=None, help="an OpenAI-compatible server to talk to (else: in-process)")
     ui.add_argument("--samples", default=None, help="folder of sample pictures with answers.json")
 

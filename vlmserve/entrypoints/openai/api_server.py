@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve import __version__
@@ -23,24 +23,36 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.engine.model_source import served_name
 from vlmserve.engine.protocol import EngineClient
+from vlmserve.entrypoints.cli import lora_modules
 from vlmserve.entrypoints.openai.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
 from vlmserve.entrypoints.openai.serving import SHUTDOWN_ERROR, ClientGone
 from vlmserve.entrypoints.openai.serving_chat import ServingChat
 from vlmserve.entrypoints.openai.serving_completion import ServingCompletion
+from vlmserve.entrypoints.openai.serving_models import ServedModels
+from vlmserve.errors import ConfigError
 from vlmserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 
 class OpenAIServer:
-    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None) -> None:
-        """engine: an AsyncLLM, or replicas on Ray Serve (replicas.ReplicaPool)."""
+    def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None,
+                 lora_modules: dict[str, str] | None = None, runtime_lora_updates: bool = False) -> None:
+        """engine: an AsyncLLM, or replicas on Ray Serve (replicas.ReplicaPool);
+        lora_modules: adapters served under names of their own (name -> folder);
+        runtime_lora_updates: /v1/load_lora_adapter and /v1/unload_lora_adapter on."""
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
-        self.created = int(time.time())
-        self.chat = ServingChat(engine, served_model_name)
-        self.completion = ServingCompletion(engine, served_model_name)
+        self.models = ServedModels(engine, served_model_name)
+        for name, path in (lora_modules or {}).items():
+            try:
+                self.models.add(name, path)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
+        self.runtime_lora_updates = runtime_lora_updates
+        self.chat = ServingChat(engine, self.models)
+        self.completion = ServingCompletion(engine, self.models)
 
     # -- app -------------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -60,11 +72,14 @@ class OpenAIServer:
         app.get("/health")(self.health)
         app.get("/version")(lambda: {"version": __version__})
         app.get("/metrics")(self.metrics_endpoint)
-        app.get("/v1/models", dependencies=keyed)(self.models)
+        app.get("/v1/models", dependencies=keyed)(self.list_models)
         app.post("/v1/chat/completions", dependencies=keyed)(self.chat.create)
         app.post("/v1/completions", dependencies=keyed)(self.completion.create)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
         app.post("/detokenize", dependencies=keyed)(self.detokenize)
+        if self.runtime_lora_updates:
+            app.post("/v1/load_lora_adapter", dependencies=keyed, response_class=PlainTextResponse)(self.load_lora)
+            app.post("/v1/unload_lora_adapter", dependencies=keyed, response_class=PlainTextResponse)(self.unload_lora)
         return app
 
     # -- errors, all in OpenAI's format ------------------------------------------------------------
@@ -122,17 +137,25 @@ class OpenAIServer:
     async def metrics_endpoint(self):
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def models(self):
-        """The served model, with vLLM's card fields (root: the checkpoint; parent: none)."""
-        permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": self.created,
-                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                      "organization": "*", "group": None, "is_blocking": False}
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "vlmserve",
-            "root": self.engine.model_path, "parent": None, "max_model_len": self.engine.max_model_len,
-            "permission": [permission],
-        }]}
+    async def list_models(self):
+        """The served model and its adapters, with vLLM's card fields."""
+        return {"object": "list", "data": self.models.cards()}
+
+    async def load_lora(self, request: Request):
+        return await self.models.load(await self._json_object(request))
+
+    async def unload_lora(self, request: Request):
+        return await self.models.unload(await self._json_object(request))
+
+    @staticmethod
+    async def _json_object(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        return body
 
     # -- tokenizer routes (vLLM's) ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest):
@@ -168,9 +191,7 @@ class OpenAIServer:
         return {"prompt": await loop.run_in_executor(None, self.tokenizer.decode, req.tokens)}
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+        self.models.resolve(model)  # an adapter tokenizes as its base model
 
 
 def serve_engine_app(engine: EngineClient, app: FastAPI, args) -> None:
@@ -204,6 +225,7 @@ def serve_engine_app(engine: EngineClient, app: FastAPI, args) -> None:
 def run_server(args) -> None:
     """`vlmserve serve`: builds the engine (or, with --replicas, the replicas on Ray
     Serve), then serves until Ctrl-C / SIGTERM."""
+    adapters = lora_modules(args)
     engine_args = EngineArgs.from_namespace(args)
     if args.replicas or args.max_replicas:
         from vlmserve.entrypoints.openai.replicas import start_replicas
@@ -213,6 +235,6 @@ def run_server(args) -> None:
         engine = AsyncLLM(engine_args, max_pending_requests=args.max_pending_requests,
                           served_model_name=args.served_model_name, metrics_names=args.metrics_names)
     name = args.served_model_name or served_name(args.model, engine.model_path)
-    server = OpenAIServer(engine, name, api_key=args.api_key)
+    server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args)

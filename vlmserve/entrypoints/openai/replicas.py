@@ -42,6 +42,7 @@ from vlmserve.engine.input_processor import MODALITIES, PromptInput
 from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.entrypoints.openai.affinity_router import KEYS_KWARG, PICTURE_KEY, PictureAffinityRouter
 from vlmserve.entrypoints.openai.routing_stats import ROUTING
+from vlmserve.lora.request import LoRARequest
 from vlmserve.metrics import PREFIX
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader
@@ -144,14 +145,14 @@ class EngineReplica:
             del self.given_up[rid]
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
-                       cache_salt: str | None = None, affinity_keys: list[str] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       affinity_keys: list[str] | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs (affinity_keys are the router's; unused here). Cancelled
         (the client hung up, the ingress cancels): the engine's generator is closed at
         once, which aborts the request; so does the ingress giving up on it through the hub."""
         if request_id in self.given_up:
             return
-        outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt)
+        outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt, lora_request)
         try:
             async for out in outputs:
                 if request_id in self.given_up:
@@ -162,6 +163,9 @@ class EngineReplica:
 
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         return await self.engine.prompt_token_ids(prompt)
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        self.engine.check_lora(lora)
 
     def info(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len}
@@ -212,14 +216,23 @@ class ReplicaPool:
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         return await self.handle.prompt_token_ids.remote(prompt)
 
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Checked by one replica (they all run the same model; the adapter's folder must be
+        readable where each replica runs)."""
+        try:
+            self.handle.check_lora.remote(lora).result()
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause if isinstance(e.cause, ValueError) else ValueError(str(e)) from None
+
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         if self.shutdown_error:
             raise EngineDeadError(self.shutdown_error)
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, affinity_keys, self.loader, prompt, self.default_mm_kwargs)
         stream = self.handle.options(stream=True).generate.remote(
-            request_id, prompt, params, priority, cache_salt, **{KEYS_KWARG: keys})
+            request_id, prompt, params, priority, cache_salt, lora_request, **{KEYS_KWARG: keys})
         self.in_flight[request_id] = stream
         finished = False
         try:

@@ -20,6 +20,8 @@ from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.protocol import EngineClient
 from vlmserve.entrypoints.openai.protocol import OpenAIError, SamplingRequest
 from vlmserve.entrypoints.openai.responses import choice_usage, usage
+from vlmserve.entrypoints.openai.serving_models import ServedModels
+from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import ParamError
 
@@ -53,20 +55,20 @@ ChunkShaper = Callable[[CompletionOutput, RequestOutput, str, int, int], dict[st
 
 
 class ServingBase:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, models: ServedModels) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
         self._ignored_fields_logged: set[str] = set()
 
-    def check(self, req: SamplingRequest) -> None:
-        """The model it names, and the fields it sent that are ignored (logged once per name)."""
-        if req.model is not None and req.model != self.model_name:
-            raise OpenAIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+    def check(self, req: SamplingRequest) -> LoRARequest | None:
+        """The model it names (the adapter, None for the base model), and the fields it sent
+        that are ignored (logged once per name)."""
+        lora = self.models.resolve(req.model)
         new = req.ignored_fields - self._ignored_fields_logged
         if new:
             self._ignored_fields_logged |= new
             logger.warning("The following fields were present in the request but ignored: %s", new)
+        return lora
 
     def params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None, default_max: int | None,
                max_tokens_field: str = "max_tokens"):
@@ -90,11 +92,11 @@ class ServingBase:
         return limit - 1 if n == -1 else n
 
     async def start(self, request_id: str, prompt: PromptInput, params, req: SamplingRequest,
-                    request: Request) -> Started:
+                    request: Request, lora: LoRARequest | None = None) -> Started:
         """Starts generation and waits for its first output, so that bad input is answered
         with an HTTP error rather than inside a stream. A client that hangs up meanwhile
         (its grammar compiling, its pictures processed, the queue ahead of it) ends it."""
-        gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt)
+        gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt, lora)
         try:
             first = await _unless_gone(gen.__anext__(), request, gen)
         except ParamError as e:
@@ -108,11 +110,11 @@ class ServingBase:
         return Started(first, gen)
 
     async def start_all(self, request_id: str, prompts: list[PromptInput], params, req: SamplingRequest,
-                        request: Request) -> list[Started]:
+                        request: Request, lora: LoRARequest | None = None) -> list[Started]:
         """Several prompts at once (their choices numbered prompt by prompt); one refused
         refuses them all and ends the others."""
         tasks = [asyncio.ensure_future(self.start(f"{request_id}-{i}" if len(prompts) > 1 else request_id, p,
-                                                  params, req, request)) for i, p in enumerate(prompts)]
+                                                  params, req, request, lora)) for i, p in enumerate(prompts)]
         await asyncio.wait(tasks)
         failed = next((t.exception() for t in tasks if t.exception() is not None), None)
         if failed is not None:

@@ -24,13 +24,13 @@ from vlmserve.sampling_params import ParamError
 
 class ServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, request: Request):
-        self.check(req)
+        lora = self.check(req)
         prompt, params = self._prompt_and_params(req)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        (started,) = await self.start_all(request_id, [prompt], params, req, request)
+        (started,) = await self.start_all(request_id, [prompt], params, req, request, lora)
         shaper = ResponseShaper(self.engine.tokenizer, req.return_tokens_as_token_ids)
         echo = self._echoed(req)
-        base = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        base = {"id": request_id, "created": int(time.time()), "model": self.models.name_of(lora)}
         if req.stream:
             return StreamingResponse(self._stream(req, started, shaper, echo, base), media_type="text/event-stream")
         (final,) = await self.final([started], request)

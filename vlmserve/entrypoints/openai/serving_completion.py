@@ -22,13 +22,13 @@ from vlmserve.outputs import CompletionOutput, RequestOutput
 
 class ServingCompletion(ServingBase):
     async def create(self, req: CompletionRequest, request: Request):
-        self.check(req)
+        lora = self.check(req)
         prompts = self._prompts(req)
         params = self._params(req)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = await self.start_all(request_id, prompts, params, req, request)
+        started = await self.start_all(request_id, prompts, params, req, request, lora)
         shaper = ResponseShaper(self.engine.tokenizer, req.return_tokens_as_token_ids)
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.models.name_of(lora)}
         if req.stream:
             return StreamingResponse(self.stream(started, base, self._chunker(req, shaper, started),
                                                  req.include_usage()), media_type="text/event-stream")
