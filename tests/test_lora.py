@@ -253,3 +253,54 @@ def test_adapters_load_and_unload_while_requests_run(lora_server, adapters, peft
     missing = httpx.post(lora_server.base + "/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
     assert missing.status_code == 404
     assert httpx.get(lora_server.base + "/health").status_code == 200
+
+
+def test_caption_under_an_adapter(qwen25_path, adapters, peft_qwen25, tmp_path):
+    """`vlmserve caption --lora` on real files: every caption is the adapter's (rank 16 is
+    over the default limit only for the engine's flag: --lora raises it); a bad adapter is
+    one line and exit code 2."""
+    from conftest import png_bytes
+    from test_caption_cli import caption, rows_of
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(png_bytes(IMG))
+    (tmp_path / "pics" / "b.png").write_bytes(png_bytes(IMG_B))
+    out = tmp_path / "captions.jsonl"
+    caption(qwen25_path, str(tmp_path / "pics"), "--out", str(out), "--dtype", "float32", "--max-tokens", "8",
+            "--ignore-eos", "--max-lora-rank", "8", "--lora", adapters["vision"].lora_path, check=True)
+    tokenizer = peft_qwen25.base.processor.tokenizer
+    prompt = peft_qwen25.prompt("Describe the image.", 1)
+    for row in rows_of(out):
+        image = IMG if row["path"].endswith("a.png") else IMG_B
+        tokens, _ = peft_qwen25.generate("vision", prompt, [image], 8)
+        assert row["caption"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    bad = caption(qwen25_path, str(tmp_path / "pics"), "--out", str(tmp_path / "bad.jsonl"), "--lora",
+                  str(tmp_path / "nowhere"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("vlmserve: --lora: ") and "no adapter_config.json" in bad.stderr
+
+
+def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
+    """The Qwen3.5 hybrid: adapters on its Gated DeltaNet projections (in_proj_qkv, z, b,
+    a, out_proj: one fused layer in vlmserve), its gated attention and MLP; two adapters
+    and the base model in one batch, chunked prefill, then prefix hits (recurrent-state
+    snapshots per adapter)."""
+    root = tmp_path_factory.mktemp("loras35")
+    loras = {
+        "gdn": LoRARequest("gdn", 1, str(write_lora_adapter(
+            qwen35_path, root / "gdn", 8, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"], seed=11,
+            std=0.1))),
+        "attn": LoRARequest("attn", 2, str(write_lora_adapter(
+            qwen35_path, root / "attn", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+            seed=12, std=0.1))),
+    }
+    ref = PeftReference(qwen35_path, loras)
+    cases = [(name, text, images) for name in ("gdn", "attn", None)
+             for text, images in (("Describe the image. " * 3, [IMG]), ("Tell me a story about a fox.", []))]
+    prompt = ref.prompt("Describe the image.", 1)
+    assert len({tuple(ref.generate(name, prompt, [IMG], 8)[0]) for name in ("gdn", "attn", None)}) == 3
+    llm = LLM(qwen35_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=256,
+              max_num_batched_tokens=32)
+    check_all(llm, ref, cases, loras)
+    again = check_all(llm, ref, cases, loras)
+    assert all(out.num_cached_tokens > 0 for out in again)

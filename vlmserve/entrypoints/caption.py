@@ -20,6 +20,9 @@ from typing import TextIO
 
 from vlmserve.entrypoints.captioner import (CaptionJob, Captioner, Row, Summary, captioned_originals, expand_inputs,
                                             merge_shards, previous_rows, shard_dir, write_row)
+from vlmserve.errors import ConfigError
+from vlmserve.lora.adapter import LoRAError, configured_rank
+from vlmserve.lora.request import LoRARequest
 
 # called with each row once it is written (and the number written so far): a progress
 # hook for a program that runs the command in-process
@@ -43,6 +46,9 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run on a Ray cluster (a local one when no address is given)")
     p.add_argument("--ray-workers", type=int, default=2, help="engines (actors) on the Ray cluster")
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="caption under this PEFT LoRA adapter (turns on --enable-lora, and raises --max-lora-rank "
+                        "to the adapter's rank)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -51,7 +57,10 @@ def run_caption(args: argparse.Namespace, on_row: RowHook | None = None) -> int:
 
     job = _prepare(args)
     run = _caption_on_ray if args.ray else _caption_here
-    start, interrupted = run(args, job, EngineArgs.from_namespace(args), on_row)
+    try:
+        start, interrupted = run(args, job, EngineArgs.from_namespace(args), on_row)
+    except LoRAError as e:
+        raise ConfigError(f"--lora: {e}") from None
     job.summary.seconds = time.time() - start
     if interrupted:
         print(f"interrupted: {job.summary.line()}; rerun with --resume to continue", file=sys.stderr)
@@ -74,11 +83,16 @@ def _prepare(args: argparse.Namespace) -> CaptionJob:
     summary.skipped = len(paths) - len(todo)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.sample_seed, ignore_eos=args.ignore_eos)
+    lora = None
+    if args.lora:  # one adapter for every file: the engine is sized for it
+        args.enable_lora = True
+        args.max_lora_rank = max(args.max_lora_rank, configured_rank(args.lora) or 0)
+        lora = LoRARequest(Path(args.lora).name, 1, str(Path(args.lora).resolve()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.touch()  # there is an output, if an empty one, even when nothing is left to do
     return CaptionJob(todo, captioned_originals(previous), params,
                       {"max_pixels": args.max_pixels} if args.max_pixels else {}, args.prompt,
-                      args.video_prompt, summary)
+                      args.video_prompt, summary, lora)
 
 
 def _caption_on_ray(args: argparse.Namespace, job: CaptionJob, engine_args, on_row: RowHook | None
@@ -107,7 +121,7 @@ def _caption_here(args: argparse.Namespace, job: CaptionJob, engine_args, on_row
     from vlmserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_args)
-    captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size)
+    captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size, job.lora)
     start = time.time()
     stop = {"now": False}
 

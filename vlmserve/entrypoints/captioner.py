@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from vlmserve.lora.request import LoRARequest
 from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader, modality_of
@@ -136,9 +137,12 @@ class Captioner:
     """Drives an LLMEngine over a list of files with a bounded number in flight."""
 
     def __init__(self, engine, prompt: str, video_prompt: str, params, settings: dict[str, Any],
-                 concurrency: int) -> None:
+                 concurrency: int, lora: LoRARequest | None = None) -> None:
         self.engine = engine
         self.params = params
+        self.lora = lora
+        if lora is not None:
+            engine.check_lora(lora)  # LoRAError before any file is read
         self.settings = normalize_settings(settings)
         self.concurrency = concurrency
         self.prompts = {
@@ -161,7 +165,7 @@ class Captioner:
 
         prompt = PromptInput(prompt=self.prompts[modality], media={modality: [raw.content]},
                              media_settings={modality: [dict(self.settings)]})
-        return self.engine.process_request(rid, prompt, self.params)
+        return self.engine.process_request(rid, prompt, self.params, lora_request=self.lora)
 
     def run(self, paths: list[str], known: dict[str, Row] | None = None) -> Iterator[Row]:
         """Yields a row per path, as they finish (duplicates right after their original).
@@ -242,6 +246,7 @@ class CaptionJob:
     prompt: str
     video_prompt: str
     summary: Summary
+    lora: LoRARequest | None = None  # the adapter every file is captioned under
 
 
 def write_row(f: TextIO, row: Row) -> None:

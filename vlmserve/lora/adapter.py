@@ -49,6 +49,15 @@ class LoRAAdapter:
     touches_vision: bool
 
 
+def configured_rank(path: str) -> int | None:
+    """The largest rank an adapter's config gives (None: no readable config)."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return max([int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+
+
 def read_adapter(path: str, targets: dict[str, LoRATarget], max_rank: int, canonical: Callable[[str], str],
                  weights: bool = True) -> LoRAAdapter:
     """The adapter in `path`, checked against the model's `targets`; LoRAError if it
