@@ -411,3 +411,38 @@ def test_stop_really_aborts_a_long_answer(browser, tmp_path):
         page.page.close()  # the browser's connections end before the server drains
     finally:
         s.stop()
+
+
+def test_choosing_a_lora_adapter(browser, tmp_path):
+    """`vlmserve ui --lora-modules`: the model choice lists the base model and the adapter
+    (from /v1/models); an answer under the adapter is the API's under it, and differs from
+    the base model's."""
+    from vlmserve.engine.model_source import resolve_model_path
+    from vlmserve.testing.lora_adapters import write_lora_adapter
+
+    shipped = resolve_model_path(None)
+    adapter = write_lora_adapter(shipped, tmp_path / "shaped", 8, ["q_proj", "v_proj", "down_proj"], seed=21, std=0.3)
+    s = Server(None, "--lora-modules", f"shaped={adapter}", command="ui")
+    try:
+        page = Page(browser, s.base)
+        question, picture = "Describe the image.", str(SAMPLES / "shapes4.png")
+        base_answer = page.ask(question, [picture])
+        page.page.click("#model input")
+        page.page.get_by_role("option", name="shaped").click()
+        page.clear()
+        answer = page.ask(question, [picture])
+        page.shot("9-lora-adapter")
+        client = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "shaped"]
+        url = "data:image/png;base64," + base64.b64encode(Path(picture).read_bytes()).decode()
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url, "detail": "auto"}},
+                                                 {"type": "text", "text": question}]}]
+
+        def api(model):
+            return client.chat.completions.create(model=model, messages=messages, temperature=0, top_p=1.0,
+                                                  max_tokens=128).choices[0].message.content.strip()
+
+        assert answer == api("shaped") and base_answer == api("tiny")
+        assert answer != base_answer
+    finally:
+        s.stop()
