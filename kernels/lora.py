@@ -9,7 +9,8 @@ contiguous, as a request's are); never a weight merged per request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class LoRAMapping:
 
     token_slots: torch.Tensor | None  # [tokens] int32
     groups: list[tuple[int, slice | torch.Tensor]]
+    derived: dict[Any, Any] = field(default_factory=dict)  # what a kernel computes from it once per forward
 
     def slots_of(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if self.token_slots is not None:

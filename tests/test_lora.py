@@ -304,3 +304,39 @@ def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
     check_all(llm, ref, cases, loras)
     again = check_all(llm, ref, cases, loras)
     assert all(out.num_cached_tokens > 0 for out in again)
+
+
+# -- the GPU path (Triton kernels, here in Triton's interpreter) -----------------------------------
+@pytest.mark.parametrize("pattern", ["interleaved", "one adapter", "none"])
+def test_triton_segment_kernels_match_torch(pattern):
+    """Shrink and expand over tokens ordered into per-slot segments equal the CPU's grouped
+    matmuls: tokens of 3 slots interleaved with tokens of none, one adapter for every row
+    (an encoder run), no adapter at all."""
+    from vlmserve.kernels import lora as lora_kernels
+    from vlmserve.kernels import triton_lora
+
+    gen = torch.Generator().manual_seed(0)
+    rows, k, n, slots, ranks = 37, 48, 40, 3, 24
+    x = torch.randn(rows, k, generator=gen)
+    a, b = torch.randn(slots, ranks, k, generator=gen), torch.randn(slots, n, ranks, generator=gen)
+    if pattern == "one adapter":
+        mapping = lora_kernels.LoRAMapping(None, [(1, slice(None))])
+    else:
+        token_slots = torch.randint(-1, slots, (rows,), generator=gen, dtype=torch.int32)
+        if pattern == "none":
+            token_slots.fill_(-1)
+        groups = [(s, (token_slots == s).nonzero().flatten()) for s in range(slots) if (token_slots == s).any()]
+        mapping = lora_kernels.LoRAMapping(token_slots, groups)
+    base = torch.randn(rows, n, generator=gen)
+    want, got = base.clone(), base.clone()
+    lora_kernels.add_lora(want, x, a, b, mapping)
+    triton_lora.add_lora_triton(got, x, a, b, mapping)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert (pattern != "none") == (not torch.equal(got, base))
+
+
+def test_mixed_batch_on_triton_kernels(qwen25_path, adapters, peft_qwen25):
+    llm = LLM(qwen25_path, dtype="float32", use_triton=True, enable_lora=True, max_loras=3, max_lora_rank=16,
+              num_kv_blocks=256)
+    check_all(llm, peft_qwen25, [("attn", "Describe the image.", [IMG]), ("vision", "Describe the image.", [IMG]),
+                                 (None, "Tell me a story.", [])], adapters, max_tokens=4)
