@@ -29,6 +29,7 @@ if __name__ == "vlmserve.kernels":
                 triton_attention,
                 triton_elementwise,
                 triton_gdn,
+                triton_lora,
                 triton_quantized_linear,
             )
         return KernelTable(device_type, triton)
