@@ -10,13 +10,14 @@ import torch
 
 def write_lora_adapter(base: str | Path, out: str | Path, rank: int, target_modules: list[str] | str, seed: int,
                        alpha: float | None = None, use_rslora: bool = False, std: float = 0.15,
-                       **config) -> Path:
-    """An adapter of the checkpoint at `base` (fp32) in `out`; `target_modules` as PEFT
-    takes them (names, or a regex of full module names); other LoraConfig settings pass."""
+                       dtype: torch.dtype = torch.float32, **config) -> Path:
+    """An adapter of the checkpoint at `base` (loaded in dtype) in `out`; `target_modules`
+    as PEFT takes them (names, or a regex of full module names); other LoraConfig
+    settings pass."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(str(base), dtype=dtype)
     lora_config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                              target_modules=target_modules, use_rslora=use_rslora, init_lora_weights=False,
                              **config)
