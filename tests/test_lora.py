@@ -284,7 +284,7 @@ def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
     """The Qwen3.5 hybrid: adapters on its Gated DeltaNet projections (in_proj_qkv, z, b,
     a, out_proj: one fused layer in vlmserve), its gated attention and MLP; two adapters
     and the base model in one batch, chunked prefill, then prefix hits (recurrent-state
-    snapshots per adapter)."""
+    snapshots per adapter); then preemption in a small cache."""
     root = tmp_path_factory.mktemp("loras35")
     loras = {
         "gdn": LoRARequest("gdn", 1, str(write_lora_adapter(
@@ -304,6 +304,10 @@ def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
     check_all(llm, ref, cases, loras)
     again = check_all(llm, ref, cases, loras)
     assert all(out.num_cached_tokens > 0 for out in again)
+    small = LLM(qwen35_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=12,
+                max_num_seqs=6)
+    check_all(small, ref, cases, loras, max_tokens=16)
+    assert small.engine.stats().num_preemptions > 0
 
 
 # -- the GPU path (Triton kernels, here in Triton's interpreter) -----------------------------------
