@@ -72,14 +72,17 @@ def qwen3_5_config(ids: dict[str, int], layers: int | None):
                          tie_word_embeddings=released.tie_word_embeddings)
 
 
-def build(family: str, layers: int | None, out: Path | None = None, seed: int = 0) -> Path:
-    """The checkpoint folder (built once, then reused)."""
+def build(family: str, layers: int | None, out: Path | None = None, seed: int = 0, device: str = "cpu") -> Path:
+    """The checkpoint folder (built once, then reused). `device` draws the random weights
+    there (a GPU draws a 9B checkpoint in seconds; the draws differ from the CPU's, so
+    the folder's name says where they were made)."""
     import transformers
 
     from vlmserve.models.qwen_chat import save_generation_config
     from vlmserve.testing.checkpoints import CHAT_TEMPLATE, new_checkpoint, save_qwen3_files
 
-    out = out or CACHE / f"scale-{family}-{'full' if layers is None else f'{layers}l'}-v1"
+    where = "" if device == "cpu" else f"-{torch.device(device).type}"
+    out = out or CACHE / f"scale-{family}-{'full' if layers is None else f'{layers}l'}{where}-v1"
     if (out / "model.safetensors.index.json").exists():
         return out
     out, tokenizer, ids = new_checkpoint(out, None, TOKENIZER_VOCAB)
@@ -95,7 +98,7 @@ def build(family: str, layers: int | None, out: Path | None = None, seed: int = 
     tied = config.tie_word_embeddings
     if tied:
         shapes.pop("lm_head.weight", None)
-    write_random_shards(out, shapes, len(tokenizer), seed)
+    write_random_shards(out, shapes, len(tokenizer), seed, device)
     config.save_pretrained(str(out))
     if family == "qwen2_5_vl_3b":
         from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -109,13 +112,14 @@ def build(family: str, layers: int | None, out: Path | None = None, seed: int = 
     return out
 
 
-def write_random_shards(out: Path, shapes: dict[str, torch.Size], tokenizer_size: int, seed: int) -> None:
+def write_random_shards(out: Path, shapes: dict[str, torch.Size], tokenizer_size: int, seed: int,
+                        device: str = "cpu") -> None:
     """Random bf16 weights (as the test checkpoints draw them: norms near 1, small biases,
-    matrices of unit-variance outputs), shard by shard; the output matrix's rows (tied:
-    the embedding's) past the tokenizer are zero."""
+    matrices of unit-variance outputs), shard by shard, drawn on `device`; the output
+    matrix's rows (tied: the embedding's) past the tokenizer are zero."""
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     index: dict[str, str] = {}
     size, count, total = 0, 0, 0
@@ -131,13 +135,13 @@ def write_random_shards(out: Path, shapes: dict[str, torch.Size], tokenizer_size
         t = torch.empty(shape, dtype=torch.bfloat16)
         if len(shape) == 1:
             base = 1.0 if "norm" in name else 0.0
-            t.copy_(base + 0.1 * torch.randn(shape, generator=gen))
+            t.copy_(base + 0.1 * torch.randn(shape, generator=gen, device=device))
             if name.endswith("A_log"):  # decay rates of a trained model: exp(A_log) in (0, 16)
-                t.copy_(torch.empty(shape).uniform_(0.01, 4, generator=gen).log())
+                t.copy_(torch.empty(shape, device=device).uniform_(0.01, 4, generator=gen).log())
         else:
             fan_in = shape[1:].numel()
             for rows in torch.arange(shape[0]).split(4096):  # row blocks: no fp32 copy of a whole matrix
-                block = torch.randn((len(rows), *shape[1:]), generator=gen) / fan_in**0.5
+                block = torch.randn((len(rows), *shape[1:]), generator=gen, device=device) / fan_in**0.5
                 t[rows[0] : rows[-1] + 1] = block.to(torch.bfloat16)
             if name in ("lm_head.weight", "model.language_model.embed_tokens.weight") and shape[0] > tokenizer_size:
                 if name == "lm_head.weight" or "lm_head.weight" not in shapes:
@@ -159,8 +163,9 @@ def main() -> None:
     ap.add_argument("family", choices=FAMILIES)
     ap.add_argument("--layers", type=int, default=None, help="cut text model and tower to this many layers")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: in seconds)")
     args = ap.parse_args()
-    print(build(args.family, args.layers, args.out))
+    print(build(args.family, args.layers, args.out, device=args.device))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,13 @@ from vlmserve.kernels.registry import register
 BLOCK_M = 16  # query tokens per program
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The precision of the kernels' fp32 dots: fp32 storage asks for fp32 products (a
+    GPU's default for fp32 dots is tf32, which would not give fp32 results); bf16/fp16
+    values upcast to fp32 are exact in tf32, so their dots take the tensor cores' tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _load_kv_block(k_ptr, v_ptr, dims, dim_ok, offsets, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """One cache block's keys (transposed, [D, BS]) and values ([BS, D]) of one head, in fp32."""
@@ -36,7 +43,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, key_ends_ptr,
     scale, window, bt_stride, num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    KEY_ENDS: tl.constexpr,
+    KEY_ENDS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M query tokens of one sequence, one query head. With KEY_ENDS,
     a query sees keys up to max(its position, key_ends[token]) (see AttentionMetadata)."""
@@ -75,7 +82,7 @@ def _paged_attention_kernel(
         base = (block * num_kv_heads + kv_head) * HEAD_DIM * BLOCK_SIZE
         keys_t, values = _load_kv_block(k_cache_ptr + base, v_cache_ptr + base, dims, dim_ok, offsets, HEAD_DIM,
                                         BLOCK_SIZE)
-        scores = tl.dot(q, keys_t) * scale  # [M, BS]
+        scores = tl.dot(q, keys_t, input_precision=PRECISION) * scale  # [M, BS]
         key_pos = b * BLOCK_SIZE + offsets
         visible = (key_pos[None, :] <= key_end[:, None]) & row_ok[:, None]
         if window > 0:
@@ -85,7 +92,7 @@ def _paged_attention_kernel(
         p = tl.where(visible, tl.exp(scores - m_new[:, None]), 0.0)
         correction = tl.exp(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p, values)
+        acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + ((q_start + rows)[:, None] * num_q_heads + head) * HEAD_DIM + dims[None, :],
@@ -95,10 +102,13 @@ def _paged_attention_kernel(
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One program: one token's keys and values of one head, into the pair layouts."""
+    """One program: one token's keys and values of one head, into the pair layouts. A
+    negative slot is a padding row (a CUDA graph's batch rounded up): nothing is written."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     dims = tl.arange(0, BLOCK_D)
     ok = dims < HEAD_DIM
@@ -137,7 +147,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
         meta.seq_lens if meta.key_ends is None else meta.key_ends, scale, meta.sliding_window,
         meta.block_tables.shape[1], q.shape[1], k_cache.shape[1],
         HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3], BLOCK_M=BLOCK_M,
-        KEY_ENDS=meta.key_ends is not None,
+        KEY_ENDS=meta.key_ends is not None, PRECISION=dot_precision(q.dtype),
     )
     return out
 
@@ -145,7 +155,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
 @triton.jit
 def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, scale, num_heads,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One program: BLOCK_M queries of one packed sequence, one head; every key of the
     sequence is visible (bidirectional)."""
     seq = tl.program_id(0)
@@ -170,13 +180,13 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr, scale
         kv_off = ((start + cols)[:, None] * num_heads + head) * HEAD_DIM + dims[None, :]
         keys = tl.load(k_ptr + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
         values = tl.load(v_ptr + kv_off, mask=col_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(keys)) * scale
+        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
         scores = tl.where(col_ok[None, :], scores, -1e30)
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.where(col_ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)
         correction = tl.exp(m_i - m_new)
         l_i = l_i * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p, values)
+        acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
         m_i = m_new
     tl.store(out_ptr + ((start + rows)[:, None] * num_heads + head) * HEAD_DIM + dims[None, :],
              (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -191,5 +201,6 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
     grid = (len(seq_lens), heads, triton.cdiv(max(seq_lens), BLOCK_M))
     _varlen_attention_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), out, cu.to(q.device), scale, heads,
-                                   HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=BLOCK_M, BLOCK_N=32)
+                                   HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_M=BLOCK_M, BLOCK_N=32,
+                                   PRECISION=dot_precision(q.dtype))
     return out

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from vlmserve.kernels.quantized_linear import QuantizedWeight
 from vlmserve.kernels.registry import register
+from vlmserve.kernels.triton_attention import dot_precision
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
@@ -17,7 +18,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 @triton.jit
 def _quantized_matmul_kernel(x_ptr, data_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, M, N, K, groups, group,
                              INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -39,7 +40,7 @@ def _quantized_matmul_kernel(x_ptr, data_ptr, scales_ptr, zeros_ptr, bias_ptr, o
         else:
             q = tl.load(data_ptr + cols64[:, None] * K + ks[None, :], mask=ok, other=0).to(tl.float32)
             w = q * scale[:, None]
-        acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols64, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows64[:, None] * N + cols64[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -57,5 +58,6 @@ def quantized_linear_triton(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Te
         _quantized_matmul_kernel[grid](
             flat, qw.data, qw.scales, qw.zeros if int4 else qw.scales, bias if bias is not None else flat, out,
             flat.shape[0], out_features, in_features, in_features // qw.group if int4 else 1, qw.group,
-            INT4=int4, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            INT4=int4, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            PRECISION=dot_precision(x.dtype))
     return out.view(*x.shape[:-1], out_features)

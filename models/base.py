@@ -134,8 +134,10 @@ class VisionLanguageModel(nn.Module):
 
     @staticmethod
     def canonical_name(name: str) -> str:
-        """Maps older checkpoint layouts (`visual.*`, `model.layers.*`) to the current one."""
-        if name.startswith("visual."):
+        """Maps older checkpoint layouts (`visual.*`, `model.layers.*`) and the bare model's
+        (`language_model.*`: what sentence-transformers saves of an embedder) to the
+        current one."""
+        if name.startswith(("visual.", "language_model.")):
             return "model." + name
         if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
             return "model.language_model." + name[len("model.") :]

@@ -13,6 +13,16 @@ _MODELS = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
 }
+# the bare models (no output head), as sentence-transformers saves an embedder: the same classes
+_MODELS.update({
+    "Gemma3Model": _MODELS["Gemma3ForConditionalGeneration"],
+    "Qwen2VLModel": _MODELS["Qwen2VLForConditionalGeneration"],
+    "Qwen2_5_VLModel": _MODELS["Qwen2_5_VLForConditionalGeneration"],
+    "Qwen3VLModel": _MODELS["Qwen3VLForConditionalGeneration"],
+    "Qwen3VLMoeModel": _MODELS["Qwen3VLMoeForConditionalGeneration"],
+    "Qwen3_5Model": _MODELS["Qwen3_5ForConditionalGeneration"],
+    "Qwen3_5MoeModel": _MODELS["Qwen3_5MoeForConditionalGeneration"],
+})
 
 
 def supported_architectures() -> list[str]:

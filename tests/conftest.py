@@ -7,8 +7,12 @@ import io
 import os
 
 # No GPU here: Triton kernels run in Triton's interpreter, which must be on before triton
-# is first imported (torchvision and transformers import it).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# is first imported (torchvision and transformers import it). VLMSERVE_TEST_DEVICE=cuda
+# (benchmarks/gpu_check.py on a GPU machine) runs the device-aware tests on CUDA tensors,
+# compiled.
+TEST_DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np
 import pytest

@@ -2,13 +2,14 @@
 (paged attention, KV writes, the vision tower's varlen attention, norms, rotary, the
 gated delta rule and its convolution), run by Triton's interpreter on CPU tensors, against
 transformers in fp32 — the same tokens and logprobs as the parity tests ask of the CPU
-kernels. What only a GPU can show (bf16 dots, pinned uploads overlapping the host,
-speed) waits for one: see benchmarks/bench_gpu.py."""
+kernels. With VLMSERVE_TEST_DEVICE=cuda the same engines run on a GPU, compiled
+(benchmarks/gpu_check.py); what only a GPU can show (bf16, speed) is in that check."""
 
 from __future__ import annotations
 
 import pytest
 
+from conftest import TEST_DEVICE
 from test_qwen2_5_vl_parity import CASES, check, greedy, mixed_requests, request, run_together
 from vlmserve import LLM
 from vlmserve.kernels import ops
@@ -24,7 +25,7 @@ def triton_llm():
     kernels stay the default outside it)."""
 
     def make(path, **kwargs):
-        llm = LLM(path, dtype="float32", use_triton=True, num_kv_blocks=256, **kwargs)
+        llm = LLM(path, dtype="float32", use_triton=True, num_kv_blocks=256, device=TEST_DEVICE, **kwargs)
         assert llm.engine.engine_core.runner.kernels.paged_attention is paged_attention_triton
         assert ops.paged_attention is not paged_attention_triton
         return llm

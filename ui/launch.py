@@ -36,9 +36,9 @@ def run_ui(args) -> None:
         from vlmserve.engine.model_source import served_name
         from vlmserve.entrypoints.openai.api_server import OpenAIServer, serve_engine_app
 
-        from vlmserve.entrypoints.cli import lora_modules
+        from vlmserve.entrypoints.openai.serving_models import adapters_from_args
 
-        adapters = lora_modules(args)
+        adapters = adapters_from_args(args)
         engine = AsyncLLM(EngineArgs.from_namespace(args), max_pending_requests=args.max_pending_requests,
                           served_model_name=args.served_model_name, metrics_names=args.metrics_names)
         name = args.served_model_name or served_name(args.model, engine.model_path)

@@ -12,11 +12,12 @@ if os.environ.get("VLMSERVE_USE_TRITON") == "1":
 from vlmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]
 
 # imported when first used: a helper process (a grammar compile worker) that imports one
 # light module of the package does not pay for the engine's imports
 _LAZY = {"LLM": "vlmserve.entrypoints.llm", "EngineArgs": "vlmserve.engine.args", "LoRARequest": "vlmserve.lora.request",
+         "PoolingParams": "vlmserve.pooling_params",
          "RequestOutput": "vlmserve.outputs", "CompletionOutput": "vlmserve.outputs"}
 
 

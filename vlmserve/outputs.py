@@ -43,7 +43,34 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # media items: encoded / from the encoder cache / covered by the prefix cache (when finished)
     media_stats: dict[str, int] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (when finished)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape: `.outputs.embedding`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> EmbeddingRequestOutput:
+        if out.embedding is None:
+            raise RuntimeError(f"request {out.request_id} ended without an embedding: {out.error or 'aborted'}")
+        return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.num_cached_tokens)

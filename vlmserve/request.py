@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -75,6 +77,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
+        # an embedding request: its prompt is pooled into one vector, nothing is sampled
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -126,6 +130,7 @@ class Request:
             self.cache_salt,
             block_hasher=None,
             lora_request=self.lora_request,
+            pooling_params=self.pooling_params,
         )
         clone._block_hasher = self._block_hasher
         clone.block_hashes = list(self.block_hashes)
@@ -160,6 +165,12 @@ class Request:
     def _update_block_hashes(self) -> None:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
+
+    @property
+    def computes_every_prompt_token(self) -> bool:
+        """Whether it needs the output at every prompt position (no prefix-cache hit)."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (pooling is not None and pooling.needs_every_token)
 
     # -- media ----------------------------------------------------------------
     @property

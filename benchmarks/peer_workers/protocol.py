@@ -3,7 +3,8 @@ engine's worker (standard library and Pillow only: the vLLM venv imports it too)
 
     -> {"ready": true, "start_seconds": s}                 once the engine is built
     <- {"cmd": "run", ...}                                  the whole workload, from cold caches
-                                                            ("sequential": one request at a time)
+                                                            ("sequential": one request at a time;
+                                                            "workload": another workload file)
     -> {"seconds", "tokens", "user", "sys", "cached_tokens", "first_tokens", "exact_lengths", "ttft"}
     <- {"cmd": "quit"}
 """
@@ -67,6 +68,11 @@ def load_workload(path: str) -> list[Request]:
         return opened[file]
 
     return [Request(r["prompt"], [picture(p) for p in r["images"]], r["max_tokens"]) for r in spec["requests"]]
+
+
+def workload_of(message: dict[str, Any], default: list[Request]) -> list[Request]:
+    """The requests a run message asks for: its own workload file's, else the worker's."""
+    return load_workload(message["workload"]) if message.get("workload") else default
 
 
 def summarize(requests: Sequence[Request], token_ids: Sequence[Sequence[int]], cached_tokens: int,

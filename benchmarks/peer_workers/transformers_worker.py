@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from protocol import Request, load_workload, protocol_stdout, serve, summarize, worker_args
+from protocol import Request, load_workload, protocol_stdout, serve, summarize, worker_args, workload_of
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
             self.time = self.time or time.time()
             return scores
 
-    requests = load_workload(args.workload)
+    default = load_workload(args.workload)
     t = time.perf_counter()
     processor = AutoProcessor.from_pretrained(args.model)
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
@@ -53,6 +53,7 @@ def main() -> None:
         return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)], first.time
 
     def run(message: dict) -> dict[str, Any]:
+        requests = workload_of(message, default)
         batch = 1 if message.get("sequential") else int(message.get("batch", args.batch))
         token_ids, first_times = [], []
         run_start = time.time()

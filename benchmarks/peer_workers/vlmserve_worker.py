@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from protocol import load_workload, protocol_stdout, serve, summarize, worker_args
+from protocol import load_workload, protocol_stdout, serve, summarize, worker_args, workload_of
 
 
 def main() -> None:
@@ -16,6 +16,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--profile", action="store_true", help="time each phase of the engine's steps")
     ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for the decode steps")
     args = ap.parse_args()
 
     import torch
@@ -23,11 +24,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from vlmserve import LLM, SamplingParams
 
-    requests = load_workload(args.workload)
+    default = load_workload(args.workload)
     t = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=4096,
               kv_cache_memory_gb=2, max_model_len=args.max_model_len, time_steps=args.profile,
-              quantization=args.quantization)
+              quantization=args.quantization, **({"enforce_eager": True} if args.enforce_eager else {}))
     start_seconds = time.perf_counter() - t
 
     def reset() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
         llm.engine.timer.reset()
 
     def run(message: dict) -> dict[str, Any]:
+        requests = workload_of(message, default)
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         run_start = time.time()

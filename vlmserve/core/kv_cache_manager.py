@@ -58,11 +58,11 @@ class KVCacheManager:
         """The longest cached prefix usable by every group.
 
         The last prompt token is always recomputed: its logits give the first output.
-        Requests asking for prompt logprobs need every position computed, so they skip
-        the lookup.
+        Requests that need every position computed (prompt logprobs; an embedding that
+        pools over all of them) skip the lookup.
         """
         no_hit = PrefixHit(0, [[] for _ in self.attention_managers], None, [0] * len(self.config.groups))
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.computes_every_prompt_token:
             return no_hit
         length = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size)
         group_tokens: list[int] | None = None

@@ -11,6 +11,7 @@ from typing import Any
 
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class NewRequestData:
     # tokens already generated before a preemption (recomputed with the prompt)
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter it runs under
+    pooling_params: PoolingParams | None = None  # an embedding request's
 
 
 @dataclass
@@ -85,3 +87,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for its next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the pooled vector of an embedding request whose prompt is done (a tensor)
+    pooler_output: dict[str, Any] = field(default_factory=dict)

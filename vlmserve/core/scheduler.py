@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
@@ -42,6 +42,7 @@ class EngineCoreOutput:
     error: str | None = None
     media_stats: dict[str, int] | None = None  # set when finished
     first_scheduled_time: float | None = None  # wall clock, for the queue-time metric
+    pooled: Any = None  # an embedding request's vector (an fp32 CPU tensor, opaque here)
 
     @property
     def finished(self) -> bool:
@@ -322,6 +323,7 @@ class Scheduler:
                 mrope_delta=r.mrope_delta,
                 output_token_ids=list(r.output_token_ids),
                 lora_request=r.lora_request,
+                pooling_params=r.pooling_params,
             )
             for r in plan.new
         ]
@@ -481,7 +483,10 @@ class Scheduler:
         index = runner_output.req_id_to_index[rid]
         new_token_ids = runner_output.sampled_token_ids[index]
         prompt_logprobs = runner_output.prompt_logprobs.get(rid)
-        if not new_token_ids and prompt_logprobs is None:
+        pooled = runner_output.pooler_output.get(rid)
+        if pooled is not None:  # an embedding request is done with its prompt
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif not new_token_ids and prompt_logprobs is None:
             return None  # a prefill chunk that ended inside the prompt
         kept: list[int] = []
         for token_id in new_token_ids:
@@ -501,6 +506,7 @@ class Scheduler:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_time=request.first_scheduled_time,
+            pooled=pooled,
         )
         if request.is_finished():
             output.media_stats = request.media_stats()

@@ -34,6 +34,9 @@ class EngineArgs:
     # the GPU path without a GPU); also on with VLMSERVE_USE_TRITON=1, which must be set
     # before the process starts
     use_triton: bool = os.environ.get("VLMSERVE_USE_TRITON") == "1"
+    # cuda: run every step eagerly (by default decode-only steps replay CUDA graphs
+    # captured at start for batches of 1, 2, 4, 8, 16, 32, ...)
+    enforce_eager: bool = False
     seed: int = 0
     # keep a prepacked copy of each linear weight (oneDNN's layout on CPU): faster batched
     # matmuls; taken only when the copies fit in a quarter of the machine's memory
@@ -42,6 +45,12 @@ class EngineArgs:
     # int8 per output channel, int4 in groups of 128 inputs); decoding reads 1/2 or 1/4
     # of the bytes. The vision tower, embeddings and output head stay in --dtype
     quantization: str | None = None
+    # generate, or pooling: embed (one vector per prompt, /v1/embeddings); auto: pooling for
+    # a sentence-transformers checkpoint (modules.json), else generate
+    runner: str = "auto"
+    # JSON, as vLLM takes it: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}
+    # (default: the checkpoint's sentence-transformers settings, else LAST and normalised)
+    pooler_config: dict[str, Any] = field(default_factory=dict)
     # serve LoRA adapters (PEFT's format) named per request (serve --lora-modules, LLM's
     # lora_request): each request runs under its own, in one batch with the others
     enable_lora: bool = False

@@ -20,7 +20,7 @@ from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
-from vlmserve.engine.model_source import draft_checkpoint
+from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
 from vlmserve.spec_decode.draft_model import load_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.allocator import keep_freed_memory
@@ -140,8 +140,9 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     if speculative and speculative.method == "draft_model":
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
+    embeds = resolve_pooler(args.runner, args.pooler_config, model_path) is not None
     model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
-                                   args.quantization)
+                                   args.quantization, embeds)
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     draft_model, draft_groups = None, []
@@ -174,7 +175,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     lora = LoRASlots(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras, torch.device(args.device)) \
         if args.enable_lora else None
     runner = ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device, args.seed, timer,
-                         speculative, draft_model, lora)
+                         speculative, draft_model, lora, cuda_graphs=not args.enforce_eager)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)

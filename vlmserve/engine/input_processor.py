@@ -12,6 +12,7 @@ from typing import Any
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.multimodal.processor import MultiModalProcessor, ProcessedMedia, normalize_settings
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 
@@ -119,6 +120,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         lora_adapts_vision: bool = False,
+        pooling_params: PoolingParams | None = None,
     ) -> Request:
         """The request of a prompt; its media's hashes name the adapter where the adapter
         changes how pictures are encoded (the encoder cache keeps them apart)."""
@@ -159,6 +161,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             block_hasher=self.block_hasher,
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         request.cache_points = self._cache_points(token_ids, features)
         return request

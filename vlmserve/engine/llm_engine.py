@@ -20,7 +20,7 @@ from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
-from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
+from vlmserve.engine.model_source import resolve_model_path, resolve_pooler, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.engine.stats import EngineStats
@@ -30,6 +30,7 @@ from vlmserve.models import get_model_class
 from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.request import Request
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.structured_output.compiler import CompiledSpec, GrammarCompiler
@@ -37,6 +38,9 @@ from vlmserve.structured_output.manager import tokenizer_info_of
 from vlmserve.structured_output.schema import check_spec
 
 logger = logging.getLogger(__name__)
+
+# an embedding request computes its prompt and samples nothing: these settings stand in
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1)
 
 @dataclass
 class ProcessedRequest:
@@ -69,6 +73,8 @@ class LLMEngine:
         args.check_quantization(hf_config)
         self.hf_config = hf_config
         self.model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
+        self.pooler = resolve_pooler(args.runner, args.pooler_config, self.model_path)  # None: it generates
+        self.hidden_size = getattr(hf_config, "text_config", hf_config).hidden_size
         media_loader = MediaLoader(args.media_limits())
         self.mm_processor = MultiModalProcessor(
             self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
@@ -160,29 +166,48 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ProcessedRequest:
         """Validates and processes a request (media included, its grammar compiled); raises
         ValueError on bad input. Thread-safe and independent of the step loop: run it in a
-        worker pool."""
+        worker pool. With pooling_params it is an embedding request (sampling params unused)."""
+        if pooling_params is not None:
+            params = EMBEDDING_SAMPLING
         params = self.check_params(params or self.default_sampling_params())
         grammar = self.compile_grammar(params)
-        processed = self.process_inputs(request_id, prompt, params, priority, cache_salt, arrival_time, lora_request)
+        processed = self.process_inputs(request_id, prompt, params, priority, cache_salt, arrival_time, lora_request,
+                                        pooling_params)
         if grammar is not None:
             processed.grammar = grammar.result()
         return processed
 
     def process_inputs(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> ProcessedRequest:
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                       pooling_params: PoolingParams | None = None) -> ProcessedRequest:
         """The prompt's tokens and media (params already checked); the grammar is left to
         `compile_grammar`. Thread-safe."""
         arrival_time = arrival_time or time.time()
+        pooling_params = self.check_pooling(pooling_params)
         adapts_vision = lora_request is not None and self.check_lora(lora_request).touches_vision
         if self.extra_eos_ids and not params.ignore_eos:
             params = params.with_stop_token_ids(self.extra_eos_ids)
         request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority,
-                                               cache_salt, lora_request, adapts_vision)
+                                               cache_salt, lora_request, adapts_vision, pooling_params)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
+
+    def check_pooling(self, pooling_params: PoolingParams | None) -> PoolingParams | None:
+        """An embedding request on a model that embeds, a generation request on one that
+        generates (ValueError otherwise); the request's pooling settings filled in."""
+        if self.pooler is None:
+            if pooling_params is not None:
+                raise ValueError("this model generates text; it embeds when started with --runner pooling")
+            return None
+        if pooling_params is None:
+            raise ValueError("this model embeds (it runs with --runner pooling): ask /v1/embeddings (LLM.embed), "
+                             "not for generated text")
+        pooling_params.verify(self.hidden_size)
+        return pooling_params.resolved(self.pooler)
 
     def check_lora(self, lora: LoRARequest) -> LoRAAdapter:
         """An adapter this engine can serve (its shapes; read once per adapter), or
@@ -258,9 +283,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling_params: PoolingParams | None = None) -> None:
         self.add_processed(self.process_request(request_id, prompt, params, priority, cache_salt, arrival_time,
-                                                lora_request))
+                                                lora_request, pooling_params))
 
     def abort_request(self, request_ids: str | list[str], error: str | None = None) -> list[RequestOutput]:
         """Ends requests (finish reason "abort"; `error` says why, if not the caller's

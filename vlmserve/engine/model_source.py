@@ -3,6 +3,7 @@ found in the Hugging Face cache (or downloaded into it: only the files the engin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from vlmserve.config import SpeculativeConfig
 from vlmserve.errors import ConfigError
+from vlmserve.pooling_params import PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +132,46 @@ def _incompatibility(draft, target) -> str | None:
         if mine != theirs:
             return f"vision_config.{key} {mine} != the target's {theirs}"
     return None
+
+
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def resolve_pooler(runner: str, pooler_config: dict, path: str) -> PoolerConfig | None:
+    """How the model pools (None: it generates). `auto` pools where the checkpoint is a
+    sentence-transformers model (modules.json with a Pooling module: its pooling mode, and
+    normalisation where a Normalize module follows); `pooling` pools anyway (LAST and
+    normalised unless the checkpoint or --pooler-config says otherwise)."""
+    if runner not in RUNNERS:
+        raise ConfigError(f"--runner {runner}: one of {', '.join(RUNNERS)}")
+    own = sentence_transformers_pooler(path)
+    if runner == "generate" or (runner == "auto" and own is None):
+        if pooler_config:
+            raise ConfigError("--pooler-config is for a model that embeds: add --runner pooling")
+        return None
+    try:
+        return PoolerConfig.from_dict({**(own or {}), **pooler_config})
+    except ValueError as e:
+        raise ConfigError(f"--pooler-config: {e}") from None
+
+
+def sentence_transformers_pooler(path: str) -> dict | None:
+    """The pooling settings of a sentence-transformers checkpoint (None if it is not one):
+    its Pooling module's mode (`pooling_mode` as v5+ writes it, or the older
+    `pooling_mode_*` flags), normalised where a Normalize module follows."""
+    modules_file = Path(path) / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    if "Pooling" not in kinds:
+        return None
+    config_file = Path(path) / kinds["Pooling"].get("path", "") / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    mode = config.get("pooling_mode") or next(
+        (key.removeprefix("pooling_mode_") for key, on in config.items() if key.startswith("pooling_mode_") and on),
+        "lasttoken")
+    kinds_of = {"lasttoken": "LAST", "mean_tokens": "MEAN", "mean": "MEAN", "cls_token": "CLS", "cls": "CLS"}
+    if mode not in kinds_of:
+        raise ConfigError(f"{path}: sentence-transformers pooling {mode!r}; vlmserve pools lasttoken, mean or cls")
+    return {"pooling_type": kinds_of[mode], "normalize": "Normalize" in kinds}

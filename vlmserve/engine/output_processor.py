@@ -89,6 +89,7 @@ class _RequestState:
     prompt_logprobs: list[LogprobsEntry] | None = None
     error: str | None = None
     media_stats: dict[str, int] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,6 +107,7 @@ class _RequestState:
             error=self.error,
             metrics=self.metrics,
             media_stats=self.media_stats,
+            embedding=self.embedding,
         )
 
 
@@ -190,6 +192,8 @@ class OutputProcessor:
             state.metrics.first_scheduled_time = out.first_scheduled_time
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = out.prompt_logprobs
+        if out.pooled is not None:
+            state.embedding = out.pooled.tolist()
         if out.new_token_ids:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now

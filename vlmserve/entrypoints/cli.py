@@ -146,16 +146,6 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as in vLLM); turns on --enable-lora")
 
 
-def lora_modules(args: argparse.Namespace) -> dict[str, str]:
-    """The adapters named on the command line; LoRA is turned on where any may be served."""
-    modules = dict(args.lora_modules)
-    if len(modules) != len(args.lora_modules):
-        raise ConfigError("--lora-modules: a name is given twice")
-    if modules or args.allow_runtime_lora_updating:
-        args.enable_lora = True
-    return modules
-
-
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     """Engine replicas on Ray Serve behind this server (serve --replicas N)."""
     r = p.add_argument_group("replicas (Ray Serve)")

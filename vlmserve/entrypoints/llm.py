@@ -13,7 +13,8 @@ from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.lora.request import LoRARequest
-from vlmserve.outputs import RequestOutput
+from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -50,6 +51,19 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, priority, lora_request)
 
+    def embed(
+        self,
+        prompts: str | dict | PromptInput | Sequence[str | dict | PromptInput],
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text, token ids, or with pictures as in `generate`), from
+        a model that embeds (a sentence-transformers checkpoint, or runner="pooling")."""
+        if isinstance(prompts, (str, dict, PromptInput)):
+            prompts = [prompts]
+        outputs = self._run(list(prompts), None, None, lora_request, pooling_params or PoolingParams())
+        return [EmbeddingRequestOutput.of(out) for out in outputs]
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -66,7 +80,8 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, None, lora_request)
 
-    def _run(self, prompts, sampling_params, priority, lora_request=None) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, priority, lora_request=None,
+             pooling_params: PoolingParams | None = None) -> list[RequestOutput]:
         """Media processing runs in a thread pool while the engine steps: requests enter
         the batch as soon as their pictures are ready. A request that cannot be processed
         raises its error, and the others are aborted."""
@@ -85,7 +100,8 @@ class LLM:
         feeder = EngineFeeder(engine, self._pool)
         for i, (rid, prompt, params, lora) in enumerate(zip(ids, prompts, sampling_params, loras)):
             feeder.submit(rid, functools.partial(engine.process_request, rid, prompt, params,
-                                                 priority[i] if priority else 0, lora_request=lora))
+                                                 priority[i] if priority else 0, lora_request=lora,
+                                                 pooling_params=pooling_params))
         finished: dict[str, RequestOutput] = {}
         try:
             while feeder.pending():

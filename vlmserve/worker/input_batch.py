@@ -16,6 +16,7 @@ import torch
 from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -32,6 +33,9 @@ class CachedRequestState:
     num_output_tokens: int
     state_slot: int | None = None  # recurrent layers' state slot
     lora_request: LoRARequest | None = None  # the adapter it runs under
+    pooling_params: PoolingParams | None = None  # an embedding request's (resolved: type and normalize set)
+    pooled_sum: torch.Tensor | None = None  # MEAN pooling: the prompt's hidden states so far, summed (fp32)
+    pooled_first: torch.Tensor | None = None  # CLS pooling: the first token's hidden state
     prompt_logprobs: list[LogprobsEntry] = field(default_factory=list)
 
 

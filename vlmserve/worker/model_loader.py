@@ -108,14 +108,15 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
     return extra if any(m.packed_weight is not None for m in linears) else 0
 
 
-def quantize_linear_weights(model: nn.Module, method: str) -> tuple[int, int]:
+def quantize_linear_weights(model: nn.Module, method: str, with_head: bool = True) -> tuple[int, int]:
     """Quantizes the linear layers of the language model, and the output head to int8
     under either method (as llama.cpp's Q4/Q8 files keep it at 6-8 bits; a head tied to
     the embeddings gets an int8 copy, the table stays for lookups); the vision tower and
     the embeddings keep their dtype. Returns the weights' bytes before and after."""
     before = after = 0
     layers = [(m, method) for m in model.model.language_model.modules() if isinstance(m, Linear)]
-    layers.append((model.untied_head(), "int8"))  # 151,936 x 2048: a third of the bytes of 3B widths at 8 layers
+    if with_head:  # 151,936 x 2048: a third of the bytes of 3B widths at 8 layers
+        layers.append((model.untied_head(), "int8"))
     for module, how in layers:
         size = module.weight.numel() * module.weight.element_size()
         if module.quantize(how):
@@ -125,10 +126,11 @@ def quantize_linear_weights(model: nn.Module, method: str) -> tuple[int, int]:
 
 def load_model(
     model_path: str | Path, dtype: str | torch.dtype, kernels: KernelTable, device: str = "cpu",
-    pack_weights: bool = True, quantization: str | None = None,
+    pack_weights: bool = True, quantization: str | None = None, embeds: bool = False,
 ) -> tuple[nn.Module, object]:
     """The model in dtype on the device, its language layers quantized if asked, its
-    weights packed for `kernels` (the engine's kernel table), and its HF config."""
+    weights packed for `kernels` (the engine's kernel table), and its HF config. A model
+    that embeds has no output head (embedding checkpoints often leave it out)."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     if not isinstance(dtype, torch.dtype):
@@ -136,6 +138,8 @@ def load_model(
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
+    if embeds:
+        model.lm_head = None  # a head in the checkpoint is skipped
     published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
     if published and quantization:
         raise ValueError(f"the checkpoint is already quantized ({published.method}): --quantization is for "
@@ -146,7 +150,7 @@ def load_model(
     model.requires_grad_(False)
     num_params = sum(p.numel() for p in model.parameters())
     if quantization:
-        before, after = quantize_linear_weights(model, quantization)
+        before, after = quantize_linear_weights(model, quantization, with_head=not embeds)
         logger.info("quantized the language layers to %s: %.2f GB of linear weights -> %.2f GB", quantization,
                     before / 1e9, after / 1e9)
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]

@@ -19,6 +19,7 @@ from vlmserve.spec_decode.draft_model import DraftModelProposer
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.spec_decode.proposer import Proposer
 from vlmserve.structured_output.manager import GrammarBitmask
+from vlmserve.worker.cuda_graphs import CudaGraphs, GraphInputs
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.rejection_sampler import can_verify, verify
@@ -41,6 +42,7 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft_model: torch.nn.Module | None = None,
         lora: LoRASlots | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.lora = lora  # the adapters' slots, where LoRA is on
@@ -73,6 +75,10 @@ class ModelRunner:
                                                self.inputs, scheduler_config.max_num_seqs, self.max_model_len)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative, self.input_batch)
+        # on CUDA decode-only steps replay graphs captured now (LoRA's per-token adapters are not captured)
+        self.cuda_graphs = CudaGraphs.capture(
+            GraphInputs(model, kernels, self.plan, self.input_batch, self.inputs, self.block_size, self.device),
+            scheduler_config.max_num_seqs) if cuda_graphs and self.device.type == "cuda" and lora is None else None
 
     # -- memory ---------------------------------------------------------------------------
     def _allocate_kv_caches(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -127,19 +133,22 @@ class ModelRunner:
             self._run_encoder(so)
         with timer.phase("runner: inputs"):
             step = self.inputs.prepare(so)
-            embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache)
+            graphed = self.cuda_graphs is not None and self.cuda_graphs.fits(step)
+            if not graphed:
+                embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache)
         with timer.phase("runner: forward"):
             self.inputs.copy_states(so.state_restores, self.plan)
             if self.lora:
                 states = self.input_batch.states
                 self.lora.set_tokens([states[row].lora_request for row in step.rows], step.query_lens)
             try:
-                hidden = self.model.forward(embeds, step.positions, ctx)
+                hidden = self.cuda_graphs.replay(step) if graphed else self.model.forward(embeds, step.positions, ctx)
             finally:
                 if self.lora:
                     self.lora.clear()
             self.inputs.copy_states(so.state_saves, self.plan)
         with timer.phase("runner: sample"):
+            pooled = self._pool(step, hidden)
             sampled, logprobs, prompt_logprobs = self._sample(step, hidden, grammar)
             kept = self._record(step, sampled)
         drafts = {}
@@ -154,6 +163,7 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             draft_token_ids=drafts,
+            pooler_output=pooled,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -181,6 +191,7 @@ class ModelRunner:
                 num_output_tokens=len(new.output_token_ids),
                 state_slot=new.state_slot,
                 lora_request=new.lora_request,
+                pooling_params=new.pooling_params,
             )
             batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids)
         cached = so.scheduled_cached_reqs
@@ -258,7 +269,9 @@ class ModelRunner:
         sample_idx, sample_pos, verify_idx, verify_pos = [], [], [], []
         token_start = 0
         for i, (row, c, q, d) in enumerate(zip(step.rows, step.num_computed, step.query_lens, step.num_drafts)):
-            if d:
+            if self.input_batch.states[row].pooling_params is not None:
+                pass  # an embedding request: pooled, never sampled
+            elif d:
                 verify_idx.append(i)
                 verify_pos.extend(range(token_start + q - 1 - d, token_start + q))
             elif c + q >= self.input_batch.num_tokens[row]:
@@ -266,6 +279,31 @@ class ModelRunner:
                 sample_pos.append(token_start + q - 1)
             token_start += q
         return sample_idx, sample_pos, verify_idx, verify_pos
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Embedding requests: this step's hidden states of each one's prompt go into its
+        pooled vector (across prompt chunks); the vectors of those whose prompt is done."""
+        pooled: dict[str, torch.Tensor] = {}
+        token_start = 0
+        for rid, row, c, q in zip(step.req_ids, step.rows, step.num_computed, step.query_lens):
+            state = self.input_batch.states[row]
+            params = state.pooling_params
+            if params is not None:
+                rows = hidden[token_start : token_start + q].float()
+                if params.pooling_type == "MEAN":
+                    total = rows.sum(0)
+                    state.pooled_sum = total if state.pooled_sum is None else state.pooled_sum + total
+                elif params.pooling_type == "CLS" and c == 0:
+                    state.pooled_first = rows[0]
+                if c + q >= state.num_prompt_tokens:
+                    vector = {"MEAN": lambda: state.pooled_sum / state.num_prompt_tokens,
+                              "CLS": lambda: state.pooled_first, "LAST": lambda: rows[-1]}[params.pooling_type]()
+                    vector = vector[: params.dimensions]  # Matryoshka: the first dimensions
+                    if params.normalize:
+                        vector = torch.nn.functional.normalize(vector, dim=-1)
+                    pooled[rid] = vector.cpu()
+            token_start += q
+        return pooled
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                          sample_idx: list[int]) -> dict[str, list[LogprobsEntry]]:

@@ -23,12 +23,11 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.async_llm import AsyncLLM
 from vlmserve.engine.model_source import served_name
 from vlmserve.engine.protocol import EngineClient
-from vlmserve.entrypoints.cli import lora_modules
 from vlmserve.entrypoints.openai.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
 from vlmserve.entrypoints.openai.serving import SHUTDOWN_ERROR, ClientGone
 from vlmserve.entrypoints.openai.serving_chat import ServingChat
 from vlmserve.entrypoints.openai.serving_completion import ServingCompletion
-from vlmserve.entrypoints.openai.serving_models import ServedModels
+from vlmserve.entrypoints.openai.serving_models import ServedModels, adapters_from_args
 from vlmserve.errors import ConfigError
 from vlmserve.metrics import CONTENT_TYPE
 
@@ -225,7 +224,7 @@ def serve_engine_app(engine: EngineClient, app: FastAPI, args) -> None:
 def run_server(args) -> None:
     """`vlmserve serve`: builds the engine (or, with --replicas, the replicas on Ray
     Serve), then serves until Ctrl-C / SIGTERM."""
-    adapters = lora_modules(args)
+    adapters = adapters_from_args(args)
     engine_args = EngineArgs.from_namespace(args)
     if args.replicas or args.max_replicas:
         from vlmserve.entrypoints.openai.replicas import start_replicas

@@ -13,7 +13,18 @@ from typing import Any
 
 from vlmserve.engine.protocol import EngineClient
 from vlmserve.entrypoints.openai.protocol import OpenAIError
+from vlmserve.errors import ConfigError
 from vlmserve.lora.request import LoRARequest
+
+
+def adapters_from_args(args: Any) -> dict[str, str]:
+    """The adapters named on the command line; LoRA is turned on where any may be served."""
+    modules = dict(args.lora_modules)
+    if len(modules) != len(args.lora_modules):
+        raise ConfigError("--lora-modules: a name is given twice")
+    if modules or args.allow_runtime_lora_updating:
+        args.enable_lora = True
+    return modules
 
 
 class ServedModels:

@@ -1,0 +1,191 @@
+"""Throughput at published widths on a GPU: vlmserve (CUDA graphs for decode, and
+eager), and transformers `generate`, on the same GPU, one engine at a time, on
+scale_checkpoints.py's checkpoints (published widths, depth cut by --layers, random
+weights drawn on the GPU):
+
+- one user: one chat about a 1-megapixel picture, 256 answer tokens (after a warm-up run
+  of the same); decode tokens/s and its share of the HBM roofline: the weights a decode
+  step reads (common.checkpoint_costs) times the steps a second, over the bandwidth of a
+  large device-to-device copy (bytes read plus written) measured first;
+- a batch: --batch-requests chats about pictures of 336-1024 px, 32-256 answer tokens,
+  all at once (transformers: one generate call over the whole batch);
+- CUDA graphs: the tokens of vlmserve with graphs and eager must be the same, and the
+  decode speed-up is printed.
+
+    python benchmarks/gpu_throughput.py OUT.json [--families qwen2_5_vl_3b,qwen3_5] [--layers 8]
+        [--batch-requests 16] [--budget 300]
+
+Run by benchmarks/gpu_check.py (its throughput step); OUT.json is rewritten after each
+engine, so a run cut short still leaves its numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_peers import WORKERS, Worker, write_workload  # noqa: E402
+from common import checkpoint_costs  # noqa: E402
+from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
+
+MIN_FAMILY_SECONDS = 100.0  # a family is left out when less than this is left of the budget
+
+
+def gpu_limits() -> dict[str, float]:
+    """The device's bandwidth (a 2 GiB bf16 device-to-device copy: bytes read plus
+    written, GB/s) and bf16 matmul peak (8192^3 on random data, TFLOP/s): medians."""
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    copy_ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    x = y = a = b = None  # the memory back to the engines
+    torch.cuda.empty_cache()
+    return {"copy_gbs": 2 * (1 << 31) / copy_ms / 1e6, "bf16_tflops": 2 * 8192**3 / mm_ms / 1e9,
+            "device": torch.cuda.get_device_name(0)}
+
+
+def one_user_figures(run: dict[str, Any], step_bytes: float, copy_gbs: float) -> dict[str, Any]:
+    """Time to first token, decode tokens/s after it, and that decode's share of the
+    bandwidth roofline."""
+    ttft = run["ttft"][0] if run.get("ttft") else None
+    decode = (run["tokens"] - 1) / (run["seconds"] - ttft) if ttft is not None else None
+    return {"seconds": round(run["seconds"], 3), "tokens": run["tokens"], "ttft_s": ttft and round(ttft, 3),
+            "decode_tok_s": decode and round(decode, 1),
+            "hbm_share": decode and round(decode * step_bytes / (copy_gbs * 1e9), 3),
+            "first_tokens": run["first_tokens"]}
+
+
+def run_engine(name: str, command: list[str], folder: Path, batch_workload: Path, step_bytes: float,
+               copy_gbs: float) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "8"}
+    worker = Worker(name, command, env, folder / f"{name.replace(' ', '-')}.log")
+    try:
+        ready = worker.receive()
+        worker.run(sequential=True)  # warm-up: compiles, captures, the allocator's first growth
+        one = worker.run(sequential=True)
+        batch = worker.run(workload=str(batch_workload))
+    except Exception as e:  # noqa: BLE001 - the engine's failure is a finding
+        return {"error": f"{type(e).__name__}: {e}", "log_tail": worker.stderr_tail(4000)}
+    finally:
+        worker.stop()
+    return {"start_s": round(ready["start_seconds"], 2), "one_user": one_user_figures(one, step_bytes, copy_gbs),
+            "batch": {"seconds": round(batch["seconds"], 3), "tokens": batch["tokens"],
+                      "tok_s": round(batch["tokens"] / batch["seconds"], 1), "first_tokens": batch["first_tokens"]}}
+
+
+def run_family(family: str, args: argparse.Namespace, limits: dict[str, float], report: dict[str, Any],
+               save) -> dict[str, Any]:
+    t = time.perf_counter()
+    model = str(build_scale_checkpoint(family, args.layers, device="cuda"))
+    out: dict[str, Any] = {"checkpoint": model, "layers": args.layers, "build_s": round(time.perf_counter() - t, 1)}
+    report[family] = out
+    costs = checkpoint_costs(model)
+    step_bytes = costs["decode_bytes"]
+    out["decode_gb_per_step"] = round(step_bytes / 1e9, 3)
+    out["roofline_tok_s"] = round(limits["copy_gbs"] * 1e9 / step_bytes, 1)
+    folder = Path(tempfile.mkdtemp(prefix=f"gpu-throughput-{family}-"))
+    (folder / "one").mkdir()
+    (folder / "batch").mkdir()
+    one_spec, _ = write_workload(folder / "one", model, "one-user", 1)
+    batch_spec, _ = write_workload(folder / "batch", model, "batch", args.batch_requests)
+    longest = max(r["prompt_tokens"] + r["max_tokens"] for r in one_spec + batch_spec)
+    common = ["--workload", str(folder / "one" / "workload.json"), "--model", model, "--dtype", "bfloat16",
+              "--device", "cuda", "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
+              "--max-images", "2", "--threads", "8"]
+    vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common]
+    engines = {"vlmserve": vlmserve, "vlmserve eager": [*vlmserve, "--enforce-eager"],
+               "transformers": [sys.executable, str(WORKERS / "transformers_worker.py"), *common,
+                                "--batch", str(args.batch_requests)]}
+    out["engines"] = {}
+    for name, command in engines.items():
+        out["engines"][name] = run_engine(name, command, folder, folder / "batch" / "workload.json", step_bytes,
+                                          limits["copy_gbs"])
+        save()
+    out.update(compare(out["engines"]))
+    return out
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The engines against each other: CUDA graphs against eager (the one user's tokens
+    equal: a batch of one runs the same kernels either way; in a batch, padded to a
+    captured size, bf16 matmuls of another height may round differently, so there the
+    share of requests whose first 8 tokens agree), vlmserve against transformers (speed
+    ratios, first tokens agreeing); ok when every engine ran and the one user's tokens
+    are the same with graphs as without."""
+    out: dict[str, Any] = {}
+    fine = [n for n, r in results.items() if "error" not in r]
+    if {"vlmserve", "vlmserve eager"} <= set(fine):
+        graphs, eager = results["vlmserve"], results["vlmserve eager"]
+        out["cuda_graphs"] = {
+            "same_tokens": graphs["one_user"]["first_tokens"] == eager["one_user"]["first_tokens"],
+            "batch_agreement": agreement(graphs["batch"]["first_tokens"], eager["batch"]["first_tokens"], 8),
+            "decode_speedup": round(graphs["one_user"]["decode_tok_s"] / eager["one_user"]["decode_tok_s"], 2),
+            "batch_speedup": round(graphs["batch"]["tok_s"] / eager["batch"]["tok_s"], 2)}
+    if {"vlmserve", "transformers"} <= set(fine):
+        ours, theirs = results["vlmserve"], results["transformers"]
+        out["vs_transformers"] = {
+            "one_user_decode": round(ours["one_user"]["decode_tok_s"] / theirs["one_user"]["decode_tok_s"], 2),
+            "batch": round(ours["batch"]["tok_s"] / theirs["batch"]["tok_s"], 2),
+            "first_token_agreement": agreement(ours["batch"]["first_tokens"], theirs["batch"]["first_tokens"], 1)}
+    out["ok"] = len(fine) == len(results) and out.get("cuda_graphs", {}).get("same_tokens", False)
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]], n: int) -> float:
+    """The share of requests whose first n tokens are the same."""
+    return round(sum(x[:n] == y[:n] for x, y in zip(a, b)) / max(len(a), 1), 3)
+
+
+def measure(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    """The throughput step (gpu_steps.py throughput): every family that fits the budget."""
+    start = time.perf_counter()
+    report: dict[str, Any] = {"budget_s": args.budget}
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+    # the check ends a step that overruns with SIGTERM: stop the engines' workers first
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    report["limits"] = limits = gpu_limits()
+    save()
+    families = {}
+    for family in [f.strip() for f in args.families.split(",") if f.strip()]:
+        left = args.budget - (time.perf_counter() - start)
+        if left < MIN_FAMILY_SECONDS:
+            report.setdefault("left_out", []).append(f"{family}: {left:.0f} s of the budget left")
+            continue
+        families[family] = run_family(family, args, limits, report, save)
+        save()
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    return bool(families) and all(f["ok"] for f in families.values()), report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--families", default="qwen2_5_vl_3b,qwen3_5")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch-requests", type=int, default=16)
+    ap.add_argument("--budget", type=float, default=300.0)
+    args = ap.parse_args()
+    ok, report = measure(args)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({k: v for k, v in report.items() if k != "limits"}, indent=1, default=str)[:6000])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
