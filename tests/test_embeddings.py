@@ -114,3 +114,125 @@ def test_generation_and_embedding_requests_go_to_the_right_model(qwen2vl_path, e
         generator.embed("hello")
     with pytest.raises(ValueError, match="dimensions=1000"):
         LLM(embedder, dtype="float32", num_kv_blocks=64).embed("hello", PoolingParams(dimensions=1000))
+
+
+# -- the server ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embedding_server(qwen2vl_path, tmp_path_factory):
+    from test_openai_server import Server
+
+    path = write_embedder(qwen2vl_path, tmp_path_factory.mktemp("served-embedder") / "st")
+    server = Server(str(path), "--dtype", "float32", "--num-kv-blocks", "256")
+    yield server, str(path)
+    server.stop()
+
+
+def test_server_embeddings_with_the_official_client(embedding_server):
+    import base64
+
+    import httpx
+    import numpy as np
+
+    from conftest import data_url
+
+    server, path = embedding_server
+    ref = TransformersEmbedder(path)
+    client = server.client()
+    texts = ["two blue squares", "a small red circle in the top left."]
+    got = client.embeddings.create(model="tiny", input=texts)
+    assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens > 0
+    for text, item in zip(texts, got.data):
+        assert_close(item.embedding, ref.embed(text, []))
+    packed = client.embeddings.create(model="tiny", input=texts[0], encoding_format="base64", dimensions=16)
+    vector = np.frombuffer(base64.b64decode(packed.data[0].embedding), dtype="<f4")  # the client leaves it as sent
+    assert_close(vector.tolist(), ref.embed(texts[0], [], dims=16))
+    # vLLM's multimodal form: chat messages with a picture, rendered by the template
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMG)}},
+                                             {"type": "text", "text": "Describe the image."}]}]
+    body = httpx.post(server.base + "/v1/embeddings", json={"model": "tiny", "messages": messages},
+                      headers={"Authorization": "Bearer none"}, timeout=60).json()
+    assert_close(body["data"][0]["embedding"], ref.embed(ref.prompt("Describe the image.", 1), [IMG]))
+    # token ids
+    ids = ref.processor.tokenizer.encode(texts[1])
+    assert_close(client.embeddings.create(model="tiny", input=ids).data[0].embedding, ref.embed(texts[1], []))
+
+
+def test_server_refuses_what_an_embedding_model_cannot_do(embedding_server):
+    import openai
+
+    server, _ = embedding_server
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="this model embeds"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="dimensions=4096"):
+        client.embeddings.create(model="tiny", input="hi", dimensions=4096)
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.embeddings.create(model="tiny", input=[])
+    assert client.embeddings.create(model="tiny", input="still fine").data[0].embedding
+
+
+def test_embeddings_on_a_generation_model_are_refused(short_context_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="start the server with --runner pooling"):
+        short_context_server.client().embeddings.create(model="tiny", input="hi")
+
+
+# -- the embed command -----------------------------------------------------------------------------
+def test_embed_command_on_files_and_texts(embedding_server, tmp_path):
+    """`vlmserve embed` on real files (a copy, a broken file) and a texts file, to Parquet
+    and to .npy: each vector is LLM.embed's for the same prompt; --resume redoes nothing."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from conftest import png_bytes
+
+    _, path = embedding_server
+    folder = tmp_path / "pics"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(png_bytes(IMG))
+    (folder / "b.png").write_bytes(png_bytes(IMG_B))
+    (folder / "copy.png").write_bytes(png_bytes(IMG))
+    (folder / "broken.png").write_bytes(b"not a picture")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("two blue squares\nWhat is in the picture? [a guess]\n")
+
+    def embed(out, *extra):
+        return subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "embed", str(folder), "--out", str(out),
+                               "--texts", str(texts), "--model", path, "--dtype", "float32", "--num-kv-blocks", "256",
+                               "--no-progress", *extra], capture_output=True, text=True, timeout=600)
+
+    done = embed(tmp_path / "vectors.parquet")
+    assert done.returncode == 1, done.stderr  # the broken file failed; the rest is written
+    table = pq.read_table(tmp_path / "vectors.parquet").to_pylist()
+    rows = {r["path"].rsplit("/", 1)[-1]: r for r in table}
+    assert set(rows) == {"a.png", "b.png", "copy.png", "broken.png", "text:two blue squares",
+                         "text:What is in the picture? [a guess]"}
+    assert rows["broken.png"]["embedding"] is None and rows["broken.png"]["error"]
+    assert rows["copy.png"]["duplicate_of"].endswith("a.png") and rows["copy.png"]["embedding"] == rows["a.png"]["embedding"]
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    prompt = llm.engine.render_chat([{"role": "user", "content": [{"type": "image", "image": "x"},
+                                                                  {"type": "text", "text": "Describe the image."}]}])
+    want = llm.embed([{"prompt": prompt.prompt, "multi_modal_data": {"image": [image]}} for image in (IMG, IMG_B)])
+    assert_close(rows["a.png"]["embedding"], torch.tensor(want[0].outputs.embedding))
+    assert_close(rows["b.png"]["embedding"], torch.tensor(want[1].outputs.embedding))
+    text = llm.embed(llm.engine.render_chat([{"role": "user", "content": "two blue squares"}]))[0]
+    assert_close(rows["text:two blue squares"]["embedding"], torch.tensor(text.outputs.embedding))
+    again = embed(tmp_path / "vectors.parquet", "--resume")
+    assert "skipped 6" in again.stderr and pq.read_table(tmp_path / "vectors.parquet").num_rows == 6
+    npy = embed(tmp_path / "vectors.npy", "--dimensions", "16")
+    matrix = np.load(tmp_path / "vectors.npy")
+    names = (tmp_path / "vectors.paths.txt").read_text().splitlines()
+    assert matrix.shape == (5, 16) and len(names) == 5 and not any(n.endswith("broken.png") for n in names)
+    assert np.allclose(np.linalg.norm(matrix, axis=1), 1, atol=1e-5), npy.stderr
+
+
+def test_the_shipped_model_embeds():
+    """`embed` works on a fresh machine: the shipped model pools its last token; its vectors
+    find pictures of the same shape and colour better than chance (1/18)."""
+    from vlmserve.training.embedding_recall import recall_at_1
+
+    assert recall_at_1(LLM(runner="pooling"), per_class=2) > 2 / 18

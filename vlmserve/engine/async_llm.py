@@ -21,11 +21,12 @@ from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.input_processor import PromptInput
-from vlmserve.engine.llm_engine import LLMEngine, ProcessedRequest
+from vlmserve.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine, ProcessedRequest
 from vlmserve.engine.model_source import served_name
 from vlmserve.lora.request import LoRARequest
 from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ class AsyncLLM:
         return self._engine.model_path
 
     @property
+    def embeds(self) -> bool:
+        return self._engine.pooler is not None
+
+    @property
     def max_model_len(self) -> int:
         return self._engine.max_model_len
 
@@ -118,8 +123,10 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they improve; the last one is finished.
+        """Yields the request's outputs as they improve; the last one is finished (an
+        embedding request, with pooling_params: one output, its `embedding` set).
 
         Processing errors (bad media, a prompt too long) raise ValueError before anything
         is yielded. Cancelling the iteration (a client that hangs up) aborts the request.
@@ -127,6 +134,8 @@ class AsyncLLM:
         self._check_alive()
         # a request that can never run is refused before it is counted (cheap checks only:
         # the grammar compiles in worker processes, media are processed in the pool)
+        if pooling_params is not None:
+            params = EMBEDDING_SAMPLING
         params = self._engine.check_params(params)
         loop = asyncio.get_running_loop()
         out_queue: asyncio.Queue = asyncio.Queue()
@@ -144,7 +153,7 @@ class AsyncLLM:
             pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
             processed: ProcessedRequest = await loop.run_in_executor(
                 pool, self._engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time(),
-                lora_request)
+                lora_request, pooling_params)
             if grammar is not None:
                 # shielded: the compile is shared with every request of the same spec, and
                 # this one leaving must not cancel it

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import RequestOutput
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class MetricsSource(Protocol):
 class EngineClient(Protocol):
     model_path: str  # the checkpoint folder
     max_model_len: int  # the context length
+    embeds: bool  # a model that embeds (a pooling runner): it takes embedding requests only
     sampling_defaults: dict[str, Any]  # the checkpoint's generation_config.json settings (unless turned off)
     metrics: MetricsSource
     death_listeners: list[Callable[[BaseException], None]]  # called if the engine stops for good
@@ -37,10 +39,11 @@ class EngineClient(Protocol):
         """The tokens a prompt becomes, its pictures and videos expanded (/tokenize)."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                 cache_salt: str | None = None, lora_request: LoRARequest | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they improve (the last one finished); ValueError (or
-        ParamError) for bad input before the first; closing the iterator aborts it."""
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                 pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they improve (the last one finished; an embedding
+        request's carries its vector); ValueError (or ParamError) for bad input before the
+        first; closing the iterator aborts it."""
 
     def check_lora(self, lora: LoRARequest) -> None:
         """LoRAError (a ValueError) if the engine cannot serve the adapter (LoRA off, a

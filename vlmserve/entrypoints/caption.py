@@ -23,6 +23,7 @@ from vlmserve.entrypoints.captioner import (CaptionJob, Captioner, Row, Summary,
 from vlmserve.errors import ConfigError
 from vlmserve.lora.adapter import LoRAError, configured_rank
 from vlmserve.lora.request import LoRARequest
+from vlmserve.pooling_params import PoolingParams
 
 # called with each row once it is written (and the number written so far): a progress
 # hook for a program that runs the command in-process
@@ -50,12 +51,16 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
                    help="caption under this PEFT LoRA adapter (turns on --enable-lora, and raises --max-lora-rank "
                         "to the adapter's rank)")
     p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(text_items=[])  # `embed --texts`: texts to do after the files
 
 
-def run_caption(args: argparse.Namespace, on_row: RowHook | None = None) -> int:
+def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling: PoolingParams | None = None) -> int:
+    """Captions the files (with `pooling`, embeds them: `vlmserve embed`) into args.out."""
     from vlmserve.engine.args import EngineArgs
 
     job = _prepare(args)
+    job.pooling = pooling
+    job.summary.verb = "embedded" if pooling else "captioned"
     run = _caption_on_ray if args.ray else _caption_here
     try:
         start, interrupted = run(args, job, EngineArgs.from_namespace(args), on_row)
@@ -72,7 +77,7 @@ def run_caption(args: argparse.Namespace, on_row: RowHook | None = None) -> int:
 def _prepare(args: argparse.Namespace) -> CaptionJob:
     from vlmserve.sampling_params import SamplingParams
 
-    paths = expand_inputs(args.inputs)
+    paths = expand_inputs(args.inputs) + args.text_items
     summary = Summary(total=len(paths))
     if not args.resume:  # a fresh run starts a fresh file
         args.out.unlink(missing_ok=True)
@@ -121,7 +126,8 @@ def _caption_here(args: argparse.Namespace, job: CaptionJob, engine_args, on_row
     from vlmserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_args)
-    captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size, job.lora)
+    captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size, job.lora,
+                          job.pooling)
     start = time.time()
     stop = {"now": False}
 

@@ -46,7 +46,7 @@ class CaptionActor:
     appends the rows, the originals' and their copies', to this actor's shard."""
 
     def __init__(self, engine_args: EngineArgs, prompt: str, video_prompt: str, params, settings: dict[str, Any],
-                 concurrency: int, shards: str, lora=None) -> None:
+                 concurrency: int, shards: str, lora=None, pooling=None) -> None:
         import socket
         import uuid
 
@@ -54,7 +54,7 @@ class CaptionActor:
         from vlmserve.entrypoints.captioner import Captioner
 
         self.engine = LLMEngine(engine_args)
-        self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency, lora)
+        self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency, lora, pooling)
         # a name no restarted actor reuses: a torn last row stays at the end of its own file
         self.shard = Path(shards) / f"part-{socket.gethostname()}-{uuid.uuid4().hex[:12]}.jsonl"
         self.shard.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def run_on_ray(address: str, workers: int, job: CaptionJob, engine_args: EngineA
         captions = captions.map_batches(
             CaptionActor,
             fn_constructor_args=(engine_args, job.prompt, job.video_prompt, job.params, settings, concurrency,
-                                 str(shards), job.lora),
+                                 str(shards), job.lora, job.pooling),
             batch_size=batch_size,
             concurrency=workers,
             num_cpus=1,

@@ -1,7 +1,8 @@
-"""Captioning files through the engine's continuous batching: rows (one per file), the
-output file and its shards, and the Captioner that drives an engine over a list of
-files with duplicates (same mm_hash) captioned once. The `caption` command
-(caption.py) runs it on this machine, or on Ray (caption_ray.py)."""
+"""Captioning (or embedding) files through the engine's continuous batching: rows (one
+per file), the output file and its shards, and the Captioner that drives an engine over
+a list of files with duplicates (same mm_hash) done once. The `caption` command
+(caption.py) runs it on this machine, or on Ray (caption_ray.py); `embed` (embed.py)
+runs it with pooling, each row a vector instead of a caption."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from vlmserve.lora.request import LoRARequest
 from vlmserve.engine.feeder import EngineFeeder
+from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader, modality_of
 from vlmserve.multimodal.processor import normalize_settings
+from vlmserve.pooling_params import PoolingParams
+
+
+TEXT_PREFIX = "text:"  # a row of a text (`embed --texts`), not of a file
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Row:
     finish_reason: str | None = None
     error: str | None = None
     duplicate_of: str | None = None
+    embedding: list[float] | None = None  # `embed`'s rows: the file's vector
 
 
 @dataclass
@@ -45,11 +51,12 @@ class Summary:
     failed: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    verb: str = "captioned"  # what the engine did to each original
 
     def line(self) -> str:
         rate = self.done / self.seconds if self.seconds else 0.0
         extras = "".join(f", {k} {v}" for k, v in self.extra.items())
-        return (f"done {self.done} (of which duplicates {self.duplicates}, captioned {self.captioned}), "
+        return (f"done {self.done} (of which duplicates {self.duplicates}, {self.verb} {self.captioned}), "
                 f"skipped {self.skipped}, failed "
                 f"{self.failed}, in {self.seconds:.1f}s: {rate:.2f} files/s{extras}")
 
@@ -137,10 +144,12 @@ class Captioner:
     """Drives an LLMEngine over a list of files with a bounded number in flight."""
 
     def __init__(self, engine, prompt: str, video_prompt: str, params, settings: dict[str, Any],
-                 concurrency: int, lora: LoRARequest | None = None) -> None:
+                 concurrency: int, lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
+        """With `pooling`, each file is embedded (the engine pools) instead of captioned."""
         self.engine = engine
         self.params = params
         self.lora = lora
+        self.pooling = pooling
         if lora is not None:
             engine.check_lora(lora)  # LoRAError before any file is read
         self.settings = normalize_settings(settings)
@@ -154,7 +163,10 @@ class Captioner:
         self._feeder: EngineFeeder | None = None
 
     def _prepare(self, path: str):
-        """Reads a file and hashes it (duplicates stop here: they are not decoded)."""
+        """Reads a file and hashes it (duplicates stop here: they are not decoded); a text
+        to embed (`text:...`, from `embed --texts`) is its own content."""
+        if path.startswith(TEXT_PREFIX):
+            return "text", path.removeprefix(TEXT_PREFIX), mm_hash("text", path.encode(), {})
         modality = modality_of(path) or "image"
         # the files are the ones the user named: read them directly, then apply the size checks
         raw = self.loader.read(Path(path).read_bytes(), modality)
@@ -163,9 +175,13 @@ class Captioner:
     def _process(self, rid: str, modality: str, raw) -> Any:
         from vlmserve.engine.input_processor import PromptInput
 
-        prompt = PromptInput(prompt=self.prompts[modality], media={modality: [raw.content]},
-                             media_settings={modality: [dict(self.settings)]})
-        return self.engine.process_request(rid, prompt, self.params, lora_request=self.lora)
+        if modality == "text":
+            prompt = self.engine.render_chat([{"role": "user", "content": raw}])
+        else:
+            prompt = PromptInput(prompt=self.prompts[modality], media={modality: [raw.content]},
+                                 media_settings={modality: [dict(self.settings)]})
+        return self.engine.process_request(rid, prompt, self.params, lora_request=self.lora,
+                                           pooling_params=self.pooling)
 
     def run(self, paths: list[str], known: dict[str, Row] | None = None) -> Iterator[Row]:
         """Yields a row per path, as they finish (duplicates right after their original).
@@ -213,8 +229,9 @@ class Captioner:
             for out in outputs:
                 path, key = in_flight.pop(out.request_id)
                 c = out.outputs[0]
-                row = Row(path, caption=c.text, mm_hash=key, prompt_tokens=out.num_prompt_tokens,
-                          output_tokens=len(c.token_ids), finish_reason=c.finish_reason, error=out.error)
+                row = Row(path, caption=None if self.pooling else c.text, mm_hash=key,
+                          prompt_tokens=out.num_prompt_tokens, output_tokens=len(c.token_ids),
+                          finish_reason=c.finish_reason, error=out.error, embedding=out.embedding)
                 yield from self._finish(row, finished, waiting_copies)
 
     @staticmethod
@@ -232,7 +249,7 @@ class Captioner:
 
 def copy_row(original: Row, path: str) -> Row:
     return Row(path, original.caption, original.mm_hash, original.prompt_tokens, original.output_tokens,
-               original.finish_reason, original.error, duplicate_of=original.path)
+               original.finish_reason, original.error, duplicate_of=original.path, embedding=original.embedding)
 
 
 @dataclass
@@ -247,8 +264,12 @@ class CaptionJob:
     video_prompt: str
     summary: Summary
     lora: LoRARequest | None = None  # the adapter every file is captioned under
+    pooling: PoolingParams | None = None  # embed: each file's vector instead of a caption
 
 
 def write_row(f: TextIO, row: Row) -> None:
-    f.write(json.dumps(asdict(row)) + "\n")
+    fields = asdict(row)
+    if row.embedding is None:  # a caption's row, or a failure: no vector to write
+        del fields["embedding"]
+    f.write(json.dumps(fields) + "\n")
     f.flush()  # a crash or Ctrl-C loses nothing that was written

@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_caption_args(caption)
 
+    embed = sub.add_parser("embed", help="embed pictures, videos and texts into a Parquet or .npy file")
+    add_engine_args(embed)
+    from vlmserve.entrypoints.embed import add_embed_args
+
+    add_embed_args(embed)
+
     ui = sub.add_parser("ui", help="Gradio chat UI (with the engine in-process, or for --api-base)")
     add_engine_args(ui)
     add_http_args(ui, port=7860)
@@ -197,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command in ("caption", "eval") else "INFO").upper(),
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING" if args.command in ("caption", "embed", "eval")
+                                      else "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run_command(args)
@@ -211,6 +218,10 @@ def run_command(args: argparse.Namespace) -> int:
         from vlmserve.entrypoints.openai.api_server import run_server
 
         run_server(args)
+    elif args.command == "embed":
+        from vlmserve.entrypoints.embed import run_embed
+
+        return run_embed(args)
     elif args.command == "caption":
         from vlmserve.entrypoints.caption import run_caption
 

@@ -302,3 +302,39 @@ class DetokenizeRequest(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+
+
+class EmbeddingRequest(BaseModel):
+    """/v1/embeddings: OpenAI's `input` (text, texts, token ids, lists of token ids), or
+    vLLM's multimodal form, chat `messages` rendered by the template (pictures and videos
+    as in chat completions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka: the first this many, normalised after the cut
+    user: str | None = None
+    # vLLM's extensions
+    normalize: bool | None = None  # default: the model's pooler setting
+    add_generation_prompt: bool = False  # messages: as vLLM renders them for embeddings
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    @property
+    def ignored_fields(self) -> set[str]:
+        return set(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("send either input or messages")
+        if self.input is not None and not self.input and self.input != 0:
+            raise ValueError("input must not be empty")
+        return self

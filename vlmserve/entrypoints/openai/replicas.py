@@ -48,6 +48,7 @@ from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import normalize_settings
 from vlmserve.outputs import RequestOutput
+from vlmserve.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -146,13 +147,14 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
                        cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       pooling_params: PoolingParams | None = None,
                        affinity_keys: list[str] | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs (affinity_keys are the router's; unused here). Cancelled
         (the client hung up, the ingress cancels): the engine's generator is closed at
         once, which aborts the request; so does the ingress giving up on it through the hub."""
         if request_id in self.given_up:
             return
-        outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt, lora_request)
+        outputs = self.engine.generate(request_id, prompt, params, priority, cache_salt, lora_request, pooling_params)
         try:
             async for out in outputs:
                 if request_id in self.given_up:
@@ -168,7 +170,7 @@ class EngineReplica:
         self.engine.check_lora(lora)
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len}
+        return {"max_model_len": self.engine.max_model_len, "embeds": self.engine.embeds}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine stopped."""
@@ -191,6 +193,7 @@ class ReplicaPool:
     hf_processor: Any
     model_path: str
     max_model_len: int
+    embeds: bool
     sampling_defaults: dict[str, Any]
     loader: MediaLoader
     default_mm_kwargs: dict[str, Any]
@@ -225,14 +228,14 @@ class ReplicaPool:
             raise e.cause if isinstance(e.cause, ValueError) else ValueError(str(e)) from None
 
     async def generate(self, request_id: str, prompt: PromptInput, params, priority: int = 0,
-                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       pooling_params: PoolingParams | None = None) -> AsyncIterator[RequestOutput]:
         if self.shutdown_error:
             raise EngineDeadError(self.shutdown_error)
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, affinity_keys, self.loader, prompt, self.default_mm_kwargs)
         stream = self.handle.options(stream=True).generate.remote(
-            request_id, prompt, params, priority, cache_salt, lora_request, **{KEYS_KWARG: keys})
+            request_id, prompt, params, priority, cache_salt, lora_request, pooling_params, **{KEYS_KWARG: keys})
         self.in_flight[request_id] = stream
         finished = False
         try:
@@ -376,7 +379,8 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
 
     info = handle.info.remote().result()
     defaults = sampling_defaults(model_path) if engine_args.generation_config == "auto" else {}
-    pool = ReplicaPool(handle, AutoProcessor.from_pretrained(model_path), model_path, info["max_model_len"], defaults,
+    pool = ReplicaPool(handle, AutoProcessor.from_pretrained(model_path), model_path, info["max_model_len"],
+                       info["embeds"], defaults,
                        MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs), hub, started,
                        joined_cluster=args.ray_address is not None)
     deadline = time.time() + 60

@@ -1,4 +1,4 @@
-"""What the chat and the completion endpoints share: starting requests on the engine (bad
+"""What the chat, completion and embedding endpoints share: starting requests on the engine (bad
 input answered with an HTTP error before anything streams, a client that hangs up ending
 its request), waiting for their end, and streaming their outputs as server-sent events —
 one request, or several at once (a completion with several prompts)."""
@@ -22,6 +22,7 @@ from vlmserve.entrypoints.openai.protocol import OpenAIError, SamplingRequest
 from vlmserve.entrypoints.openai.responses import choice_usage, usage
 from vlmserve.entrypoints.openai.serving_models import ServedModels
 from vlmserve.lora.request import LoRARequest
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import ParamError
 
@@ -55,6 +56,8 @@ ChunkShaper = Callable[[CompletionOutput, RequestOutput, str, int, int], dict[st
 
 
 class ServingBase:
+    embeds = False  # the kind of model its endpoint needs: one that embeds, or one that generates
+
     def __init__(self, engine: EngineClient, models: ServedModels) -> None:
         self.engine = engine
         self.models = models
@@ -64,6 +67,12 @@ class ServingBase:
         """The model it names (the adapter, None for the base model), and the fields it sent
         that are ignored (logged once per name)."""
         lora = self.models.resolve(req.model)
+        if self.engine.embeds and not self.embeds:
+            raise OpenAIError(400, "this model embeds (it runs with --runner pooling): ask /v1/embeddings, it "
+                                   "generates no text", param="model")
+        if self.embeds and not self.engine.embeds:
+            raise OpenAIError(400, "this model generates text; start the server with --runner pooling to serve "
+                                   "/v1/embeddings", param="model")
         new = req.ignored_fields - self._ignored_fields_logged
         if new:
             self._ignored_fields_logged |= new
@@ -92,11 +101,12 @@ class ServingBase:
         return limit - 1 if n == -1 else n
 
     async def start(self, request_id: str, prompt: PromptInput, params, req: SamplingRequest,
-                    request: Request, lora: LoRARequest | None = None) -> Started:
+                    request: Request, lora: LoRARequest | None = None,
+                    pooling: PoolingParams | None = None) -> Started:
         """Starts generation and waits for its first output, so that bad input is answered
         with an HTTP error rather than inside a stream. A client that hangs up meanwhile
         (its grammar compiling, its pictures processed, the queue ahead of it) ends it."""
-        gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt, lora)
+        gen = self.engine.generate(request_id, prompt, params, req.priority, req.cache_salt, lora, pooling)
         try:
             first = await _unless_gone(gen.__anext__(), request, gen)
         except ParamError as e:
@@ -110,11 +120,13 @@ class ServingBase:
         return Started(first, gen)
 
     async def start_all(self, request_id: str, prompts: list[PromptInput], params, req: SamplingRequest,
-                        request: Request, lora: LoRARequest | None = None) -> list[Started]:
+                        request: Request, lora: LoRARequest | None = None,
+                        pooling: PoolingParams | None = None) -> list[Started]:
         """Several prompts at once (their choices numbered prompt by prompt); one refused
         refuses them all and ends the others."""
         tasks = [asyncio.ensure_future(self.start(f"{request_id}-{i}" if len(prompts) > 1 else request_id, p,
-                                                  params, req, request, lora)) for i, p in enumerate(prompts)]
+                                                  params, req, request, lora, pooling))
+                 for i, p in enumerate(prompts)]
         await asyncio.wait(tasks)
         failed = next((t.exception() for t in tasks if t.exception() is not None), None)
         if failed is not None:
@@ -124,7 +136,7 @@ class ServingBase:
             raise failed
         started = [t.result() for t in tasks]
         for i, s in enumerate(started):
-            s.offset = i * params.n
+            s.offset = i * (params.n if params is not None else 1)
         return started
 
     async def final(self, started: list[Started], request: Request) -> list[RequestOutput]:
