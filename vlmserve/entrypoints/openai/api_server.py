@@ -9,8 +9,6 @@ import asyncio
 import hmac
 import logging
 import sys
-import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 from fastapi import Request

