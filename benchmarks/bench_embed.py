@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import os
 import statistics
 import subprocess
@@ -42,11 +41,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="vlmserve,vllm,transformers")
+    ap.add_argument("--parts", default="offline,served", help="offline (LLM.embed), served (/v1/embeddings)")
     ap.add_argument("--vllm-python", type=Path, default=None)
     return ap.parse_args()
 
 
-def write_pictures(folder: Path, model: str, n: int) -> list[dict]:
+def write_pictures(folder: Path, model: str, n: int, seed: int = 0) -> list[dict]:
     """n distinct pictures of 224-448 px, each with the question, as workload.json."""
     import json
     import random
@@ -54,11 +54,12 @@ def write_pictures(folder: Path, model: str, n: int) -> list[dict]:
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     spec = []
+    folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         path = folder / f"picture-{i:02d}.png"
-        synthetic_image(rng.randint(224, 448), rng.randint(224, 448), seed=5000 + i).save(path)
+        synthetic_image(rng.randint(224, 448), rng.randint(224, 448), seed=5000 + 1000 * seed + i).save(path)
         prompt = render_prompt(processor, {"question": QUESTION, "pictures": [0]})
         spec.append({"prompt": prompt, "images": [str(path)], "max_tokens": 1})
     (folder / "workload.json").write_text(json.dumps({"requests": spec}))
@@ -96,22 +97,25 @@ def offline(args, model: str, folder: Path, env: dict, vllm) -> dict[str, float]
     return {name: statistics.median(v) for name, v in runs.items()}
 
 
-def served(args, model: str, spec: list[dict], vllm) -> dict[str, float]:
+def served(args, model: str, folder: Path, vllm) -> dict[str, float]:
     """Pictures/s of /v1/embeddings with `clients` clients, each sending one picture as
-    vLLM's chat-messages form."""
+    vLLM's chat-messages form; every round new pictures (no cache serves them), the same
+    for both servers."""
     import httpx
 
-    bodies = []
-    for r in spec:
-        buffer = io.BytesIO(Path(r["images"][0]).read_bytes())
-        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-        bodies.append({"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
-            "add_generation_prompt": True})
+    rounds = []
+    for r in range(args.repeats + 1):
+        bodies = []
+        for request in write_pictures(folder / f"round-{r}", model, args.pictures, seed=r + 1):
+            url = "data:image/png;base64," + base64.b64encode(Path(request["images"][0]).read_bytes()).decode()
+            bodies.append({"model": "m", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
+                "add_generation_prompt": True})
+        rounds.append(bodies)
     servers = {}
     if "vlmserve" in args.engines:
         proc, base = start_vlmserve("--runner", "pooling", "--served-model-name", "m", "--kv-cache-memory-gb", "2",
-                                    model=model)
+                                    "--dtype", "bfloat16", model=model)
         servers["vlmserve"] = (proc, base)
     if vllm is not None:
         port = free_port()
@@ -131,7 +135,7 @@ def served(args, model: str, spec: list[dict], vllm) -> dict[str, float]:
         servers["vLLM-CPU"] = (proc, base)
     speeds: dict[str, list[float]] = {}
     try:
-        for r in range(args.repeats + 1):
+        for r, bodies in enumerate(rounds):
             for name, (_, base) in servers.items():
                 with httpx.Client(timeout=300) as client, ThreadPoolExecutor(args.clients) as pool:
                     start = time.perf_counter()
@@ -159,9 +163,9 @@ def main() -> None:
     notes: list[str] = []
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
     with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp:
-        spec = write_pictures(Path(tmp), model, args.pictures)
-        offline_speeds = offline(args, model, Path(tmp), env, vllm)
-        served_speeds = served(args, model, spec, vllm)
+        write_pictures(Path(tmp), model, args.pictures)
+        offline_speeds = offline(args, model, Path(tmp), env, vllm) if "offline" in args.parts else {}
+        served_speeds = served(args, model, Path(tmp), vllm) if "served" in args.parts else {}
     print(f"\n{args.pictures} pictures of 224-448 px, one per prompt with a short question, last-token pooling; "
           f"{Path(model).name}; medians of {args.repeats}")
     print("| engine | offline (LLM.embed / batches) | /v1/embeddings, "

@@ -236,3 +236,31 @@ def test_the_shipped_model_embeds():
     from vlmserve.training.embedding_recall import recall_at_1
 
     assert recall_at_1(LLM(runner="pooling"), per_class=2) > 2 / 18
+
+
+@pytest.mark.slow
+def test_embed_on_a_local_ray_cluster_gives_the_vectors_of_one_machine(embedding_server, tmp_path):
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from conftest import png_bytes
+
+    _, path = embedding_server
+    folder = tmp_path / "pics"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"p{i}.png").write_bytes(png_bytes(make_image(48 + 8 * i, 56, seed=40 + i)))
+    (folder / "copy.png").write_bytes((folder / "p0.png").read_bytes())
+    tables = {}
+    for name, extra in (("local", []), ("ray", ["--ray", "--ray-workers", "2"])):
+        out = tmp_path / f"{name}.parquet"
+        done = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "embed", str(folder), "--out", str(out),
+                               "--model", path, "--dtype", "float32", "--num-kv-blocks", "256", "--no-progress", *extra],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        tables[name] = {r["path"]: r for r in pq.read_table(out).to_pylist()}
+    assert set(tables["ray"]) == set(tables["local"]) and len(tables["ray"]) == 7
+    for key, row in tables["local"].items():
+        assert_close(tables["ray"][key]["embedding"], torch.tensor(row["embedding"]))

@@ -21,7 +21,10 @@ class PoolerConfig:
 
     @classmethod
     def from_dict(cls, settings: dict) -> PoolerConfig:
-        """ValueError naming what is wrong."""
+        """ValueError naming what is wrong; vLLM's newer names (use_activation for
+        normalize, seq_pooling_type for pooling_type) are taken too."""
+        renamed = {"use_activation": "normalize", "seq_pooling_type": "pooling_type"}
+        settings = {renamed.get(key, key): value for key, value in settings.items()}
         unknown = set(settings) - {"pooling_type", "normalize"}
         if unknown:
             raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: pooling_type, normalize")

@@ -39,7 +39,7 @@ def main() -> None:
         llm = LLM(model=args.model, dtype=args.dtype, runner="pooling", gpu_memory_utilization=0.3,
                   max_model_len=args.max_model_len, enable_prefix_caching=True,
                   limit_mm_per_prompt={"image": args.max_images, "video": 0}, seed=0,
-                  pooler_config={"pooling_type": "LAST", "normalize": True})
+                  pooler_config={"pooling_type": "LAST", "use_activation": True})  # 0.32's name for normalize
 
         def reset() -> None:
             llm.reset_prefix_cache()

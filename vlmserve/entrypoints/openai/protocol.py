@@ -319,6 +319,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     # vLLM's extensions
     normalize: bool | None = None  # default: the model's pooler setting
+    use_activation: bool | None = None  # vLLM's newer name for normalize
     add_generation_prompt: bool = False  # messages: as vLLM renders them for embeddings
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -23,7 +23,8 @@ class ServingEmbedding(ServingBase):
     async def create(self, req: EmbeddingRequest, request: Request):
         lora = self.check(req)
         prompts = self._prompts(req)
-        pooling = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        normalize = req.normalize if req.normalize is not None else req.use_activation
+        pooling = PoolingParams(dimensions=req.dimensions, normalize=normalize)
         request_id = f"embd-{uuid.uuid4().hex}"
         started = await self.start_all(request_id, prompts, None, req, request, lora, pooling)
         finals = await self.final(started, request)
