@@ -20,10 +20,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_peers import Worker, WorkerDied, log, wait_idle  # noqa: E402
+from bench_peers import log, started_workers, wait_quiet  # noqa: E402
 from common import (cpu_flags, find_vllm, free_port, render_prompt,  # noqa: E402
                     start_vlmserve, synthetic_image)
 from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
@@ -75,25 +74,15 @@ def offline(args, model: str, folder: Path, env: dict, vllm) -> dict[str, float]
             engines[name] = ([sys.executable, str(WORKERS / "embed_worker.py"), *common, "--engine", name], env)
     if vllm is not None:
         engines["vLLM-CPU"] = ([str(vllm[0]), str(WORKERS / "embed_worker.py"), *common, "--engine", "vllm"], vllm[1])
-    workers, runs = {}, {}
-    try:
-        for i, (name, (command, environment)) in enumerate(engines.items()):
-            log(f"starting {name} ...")
-            workers[name] = Worker(name, command, environment, folder / f"w{i}.log")
-            log(f"{name} ready in {workers[name].receive()['start_seconds']:.1f}s")
+    runs: dict[str, list[float]] = {}
+    with started_workers(engines, folder) as workers:
         for r in range(args.repeats + 1):
             for name, worker in workers.items():
-                wait_idle([SimpleNamespace(worker=w) for w in workers.values()])
+                wait_quiet(workers)
                 result = worker.run()
                 if r:
                     runs.setdefault(name, []).append(result["tokens"] / result["seconds"])
                 log(f"{'warm-up' if not r else f'run {r}'} {name}: {result['seconds']:.2f}s, first {result['first'][:4]}")
-    except WorkerDied as died:
-        log(f"worker {died} died; its stderr ends with:\n" + workers[str(died)].stderr_tail())
-        sys.exit(1)
-    finally:
-        for worker in workers.values():
-            worker.stop()
     return {name: statistics.median(v) for name, v in runs.items()}
 
 

@@ -18,10 +18,9 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_peers import Worker, WorkerDied, log, wait_idle, write_workload  # noqa: E402
+from bench_peers import log, started_workers, wait_quiet, write_workload  # noqa: E402
 from common import cpu_flags, find_vllm  # noqa: E402
 from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
 
@@ -82,35 +81,25 @@ def main() -> None:
         vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
         if vllm is not None:
             engines["vLLM-CPU"] = [str(vllm[0]), str(WORKERS / "lora_worker.py"), *common, "--engine", "vllm"]
-        workers = {}
-        try:
-            for i, (name, command) in enumerate(engines.items()):
-                log(f"starting {name} ...")
-                workers[name] = Worker(name, command, vllm[1] if name == "vLLM-CPU" else env, folder / f"w{i}.log")
-                log(f"{name} ready in {workers[name].receive()['start_seconds']:.1f}s")
-            runs: dict[tuple[str, str], list[dict]] = {}
+        commands = {name: (command, vllm[1] if name == "vLLM-CPU" else env) for name, command in engines.items()}
+        runs: dict[tuple[str, str], list[dict]] = {}
+        with started_workers(commands, folder) as workers:
             for r in range(args.repeats + 1):  # the first round warms up
                 for mode, loras in modes.items():
                     for name, worker in workers.items():
-                        wait_idle([SimpleNamespace(worker=w) for w in workers.values()])
+                        wait_quiet(workers)
                         result = worker.run(adapters=loras)
                         if not result["exact_lengths"]:
                             raise RuntimeError(f"{name} ({mode}) ended requests early")
                         if r:
                             runs.setdefault((name, mode), []).append(result)
                         log(f"{'warm-up' if not r else f'run {r}'} {name} {mode}: {result['seconds']:.2f}s")
-        except WorkerDied as died:
-            log(f"worker {died} died; its stderr ends with:\n" + workers[str(died)].stderr_tail())
-            sys.exit(1)
-        finally:
-            for worker in workers.values():
-                worker.stop()
     tokens = sum(r["max_tokens"] for r in spec)
     print(f"\n{args.requests} chats ({tokens} answer tokens, greedy), {args.adapters} adapters of rank {args.rank} "
           f"on q,k,v,o,gate,up,down; {Path(model).name}; medians of {args.repeats}")
     print(f"| engine | {' | '.join(modes)} | mixed / base |")
     print("| --- | --- | --- | --- |")
-    for name in workers:
+    for name in commands:
         speeds = [statistics.median(x["tokens"] / x["seconds"] for x in runs[(name, mode)]) for mode in modes]
         print(f"| {name} | {' | '.join(f'{s:.1f} tok/s' for s in speeds)} | {speeds[1] / speeds[0]:.2f}x |")
     for note in notes:

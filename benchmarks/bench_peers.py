@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,30 @@ def start(engines: list[Engine], folder: Path) -> None:
         ready = engine.worker.receive()
         engine.start_seconds = ready["start_seconds"]
         log(f"{engine.name} ready in {engine.start_seconds:.1f}s")
+
+
+@contextlib.contextmanager
+def started_workers(commands: dict[str, tuple[list[str], dict[str, str]]], folder: Path) -> Iterator[dict[str, Worker]]:
+    """Each engine's worker (name -> command and environment), started one after another,
+    each ready before the next; all stopped at the end. A worker that dies ends the run
+    with the end of its stderr."""
+    workers: dict[str, Worker] = {}
+    try:
+        for i, (name, (command, env)) in enumerate(commands.items()):
+            log(f"starting {name} ...")
+            workers[name] = Worker(name, command, env, folder / f"worker-{i}.log")
+            log(f"{name} ready in {workers[name].receive()['start_seconds']:.1f}s")
+        yield workers
+    except WorkerDied as died:
+        log(f"worker {died} died; its stderr ends with:\n" + workers[str(died)].stderr_tail())
+        sys.exit(1)
+    finally:
+        for worker in workers.values():
+            worker.stop()
+
+
+def wait_quiet(workers: dict[str, Worker]) -> None:
+    wait_idle([Engine(name, [], {}, worker) for name, worker in workers.items()])
 
 
 def wait_idle(engines: list[Engine], window: float = 0.25, deadline: float = 10.0) -> None:
