@@ -344,3 +344,28 @@ def test_mixed_batch_on_triton_kernels(qwen25_path, adapters, peft_qwen25):
               num_kv_blocks=256)
     check_all(llm, peft_qwen25, [("attn", "Describe the image.", [IMG]), ("vision", "Describe the image.", [IMG]),
                                  (None, "Tell me a story.", [])], adapters, max_tokens=4)
+
+
+def test_an_adapter_folder_gone_after_its_check_fails_its_request_alone(qwen25_path, adapters, tmp_path):
+    """The front end checked the adapter; its folder is then removed before the request
+    reaches the engine core: that request is refused (LoRAError) and leaves nothing
+    behind, the request beside it runs to its end."""
+    import shutil
+
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["attn"].lora_path, gone)
+    lora = LoRARequest("gone", 9, str(gone))
+    llm = LLM(qwen25_path, dtype="float32", enable_lora=True, max_lora_rank=16, num_kv_blocks=64)
+    engine = llm.engine
+    bad = engine.process_request("bad", "Tell me a story.", greedy(), lora_request=lora)  # checked here
+    shutil.rmtree(gone)
+    engine.add_request("good", "Tell me a story.", greedy(), lora_request=adapters["mlp"])
+    with pytest.raises(LoRAError, match="no adapter_config.json"):
+        engine.add_processed(bad)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["good"]
+    assert len(outputs[-1].outputs[0].token_ids) == 8
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and not any(stats.blocks_in_use.values())

@@ -74,6 +74,10 @@ class EngineCore:
             time.sleep(EMPTY_STEP_SLEEP)
 
     def add_request(self, request: Request) -> None:
+        if request.lora_request is not None:
+            # read now: an adapter folder that changed since the front end checked it fails
+            # this request alone, not the step it would have joined
+            self.runner.load_lora(request.lora_request)
         if request.compiled_grammar is not None:
             # the grammar ends on the model's end-of-sequence token alone: a request's own
             # stop_token_ids end the answer where they appear, as without a grammar

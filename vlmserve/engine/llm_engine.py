@@ -275,11 +275,15 @@ class LLMEngine:
         child_ids = self.output_processor.add_request(
             rid, processed.prompt, first.prompt_token_ids, processed.params, first.arrival_time
         )
-        for i, child_id in enumerate(child_ids):
-            # the samples share the processed prompt; only their ids and seeds differ
-            request = first if i == 0 else first.clone_as(child_id, processed.params.for_child(i))
-            request.request_id = child_id
-            self.core.add_request(request)
+        try:
+            for i, child_id in enumerate(child_ids):
+                # the samples share the processed prompt; only their ids and seeds differ
+                request = first if i == 0 else first.clone_as(child_id, processed.params.for_child(i))
+                request.request_id = child_id
+                self.core.add_request(request)
+        except Exception:  # refused by the core (an adapter that cannot be read): nothing of it stays
+            self.abort_request(rid)
+            raise
 
     def add_request(self, request_id: str, prompt: str | dict | PromptInput, params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,

@@ -44,7 +44,7 @@ class LoRASlots:
         self.adapted: set[Linear] = set()  # layers that have slots
 
     def touches_vision(self, lora: LoRARequest) -> bool:
-        return self._adapter(lora).touches_vision
+        return self.load(lora).touches_vision
 
     # -- the mapping of a forward ---------------------------------------------------------
     def set_tokens(self, loras: list[LoRARequest | None], counts: list[int]) -> None:
@@ -86,7 +86,7 @@ class LoRASlots:
             if not free:
                 raise RuntimeError(f"{len(in_use)} adapters in one step, over the {self.num_slots} LoRA slots")
             slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
-            self._fill(slot, self._adapter(lora))
+            self._fill(slot, self.load(lora))
             self.slot_ids[slot] = lora.lora_int_id
         self.slot_used[slot] = self.clock
         return slot
@@ -101,7 +101,7 @@ class LoRASlots:
                 self.adapted.add(layer)
             layer.lora.set_shard(slot, shard, a, b)
 
-    def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
+    def load(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter's weights, read from its folder the first time (checked by the
         front end already: a failure here is the folder changing under the server)."""
         adapter = self.adapters.get(lora.lora_int_id)

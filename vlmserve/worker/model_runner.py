@@ -112,6 +112,12 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Reads an adapter into memory ahead of its first step (LoRAError if it cannot)."""
+        if self.lora is None:
+            raise RuntimeError("a LoRA request reached an engine without LoRA")
+        self.lora.load(lora)
+
     def clear_encoder_cache(self) -> None:
         self.encoder_cache.clear()
         if self.proposer:
