@@ -282,9 +282,9 @@ def test_caption_under_an_adapter(qwen25_path, adapters, peft_qwen25, tmp_path):
 
 def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
     """The Qwen3.5 hybrid: adapters on its Gated DeltaNet projections (in_proj_qkv, z, b,
-    a, out_proj: one fused layer in vlmserve), its gated attention and MLP; two adapters
-    and the base model in one batch, chunked prefill, then prefix hits (recurrent-state
-    snapshots per adapter); then preemption in a small cache."""
+    a, out_proj: one fused layer in vlmserve), its gated attention, its MLP; three adapters
+    and the base model in one batch on two slots, chunked prefill, then prefix hits
+    (recurrent-state snapshots per adapter); then preemption in a small cache."""
     root = tmp_path_factory.mktemp("loras35")
     loras = {
         "gdn": LoRARequest("gdn", 1, str(write_lora_adapter(
@@ -293,12 +293,14 @@ def test_hybrid_qwen35_mixed_batch_matches_peft(qwen35_path, tmp_path_factory):
         "attn": LoRARequest("attn", 2, str(write_lora_adapter(
             qwen35_path, root / "attn", 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
             seed=12, std=0.1))),
+        "mlp": LoRARequest("mlp", 3, str(write_lora_adapter(
+            qwen35_path, root / "mlp", 2, ["up_proj", "down_proj"], seed=13, std=0.2, use_rslora=True))),
     }
     ref = PeftReference(qwen35_path, loras)
-    cases = [(name, text, images) for name in ("gdn", "attn", None)
+    cases = [(name, text, images) for name in ("gdn", "attn", "mlp", None)
              for text, images in (("Describe the image. " * 3, [IMG]), ("Tell me a story about a fox.", []))]
     prompt = ref.prompt("Describe the image.", 1)
-    assert len({tuple(ref.generate(name, prompt, [IMG], 8)[0]) for name in ("gdn", "attn", None)}) == 3
+    assert len({tuple(ref.generate(name, prompt, [IMG], 8)[0]) for name in ("gdn", "attn", "mlp", None)}) == 4
     llm = LLM(qwen35_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=256,
               max_num_batched_tokens=32)
     check_all(llm, ref, cases, loras)

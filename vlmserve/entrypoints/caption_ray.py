@@ -102,7 +102,10 @@ def run_on_ray(address: str, workers: int, job: CaptionJob, engine_args: EngineA
         if not copies_of:
             return
         batch_size = max(1, min(4 * concurrency, -(-len(copies_of) // workers)))
-        captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies_of.items()])
+        # a block per batch: each batch's rows reach the driver (its progress bar, its
+        # Ctrl-C) as soon as an actor is done with it, not when a larger block is
+        captions = ray.data.from_items([{"path": p, "copies": json.dumps(c)} for p, c in copies_of.items()],
+                                       override_num_blocks=-(-len(copies_of) // batch_size))
         captions = captions.map_batches(
             CaptionActor,
             fn_constructor_args=(engine_args, job.prompt, job.video_prompt, job.params, settings, concurrency,
