@@ -31,16 +31,12 @@ RowHook = Callable[[Row, int], None]
 
 
 # -- command line ----------------------------------------------------------------------------------
-def add_caption_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", help="files, folders, globs, or .txt/.jsonl lists of paths")
-    p.add_argument("--out", required=True, type=Path, help="JSONL output, one row per input")
+def add_file_run_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    """What `caption` and `embed` share: the files, the output, the question asked with
+    each, batching, resuming, Ray, an adapter, the progress bar."""
+    p.add_argument("--out", required=True, type=Path, help=out_help)
     p.add_argument("--prompt", default="Describe the image.", help="the question asked about each picture")
     p.add_argument("--video-prompt", default="Describe the video.", help="the question asked about each video")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (benchmarks)")
-    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--max-pixels", type=int, default=None, help="resize images to at most this many pixels")
     p.add_argument("--batch-size", type=int, default=32, help="files in flight at once")
     p.add_argument("--resume", action="store_true", help="skip paths already in --out")
@@ -48,10 +44,20 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
                    help="run on a Ray cluster (a local one when no address is given)")
     p.add_argument("--ray-workers", type=int, default=2, help="engines (actors) on the Ray cluster")
     p.add_argument("--lora", default=None, metavar="PATH",
-                   help="caption under this PEFT LoRA adapter (turns on --enable-lora, and raises --max-lora-rank "
+                   help="run under this PEFT LoRA adapter (turns on --enable-lora, and raises --max-lora-rank "
                         "to the adapter's rank)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(text_items=[])  # `embed --texts`: texts to do after the files
+
+
+def add_caption_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", help="files, folders, globs, or .txt/.jsonl lists of paths")
+    add_file_run_args(p, "JSONL output, one row per input")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (benchmarks)")
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
 
 
 def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling: PoolingParams | None = None) -> int:

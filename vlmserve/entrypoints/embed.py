@@ -24,23 +24,14 @@ FORMATS = (".parquet", ".npy")
 
 
 def add_embed_args(p: argparse.ArgumentParser) -> None:
+    from vlmserve.entrypoints.caption import add_file_run_args
+
     p.add_argument("inputs", nargs="*", help="files, folders, globs, or .txt/.jsonl lists of paths")
-    p.add_argument("--out", required=True, type=Path, help="a .parquet or .npy file")
+    add_file_run_args(p, "a .parquet or .npy file")
     p.add_argument("--texts", type=Path, default=None, help="a file of texts to embed too, one per line")
-    p.add_argument("--prompt", default="Describe the image.",
-                   help="the text each picture is embedded with (as a chat turn, before the answer)")
-    p.add_argument("--video-prompt", default="Describe the video.")
     p.add_argument("--dimensions", type=int, default=None, help="keep the first this many (Matryoshka)")
-    p.add_argument("--max-pixels", type=int, default=None, help="resize images to at most this many pixels")
-    p.add_argument("--batch-size", type=int, default=32, help="files in flight at once")
-    p.add_argument("--resume", action="store_true", help="skip files already done by an earlier run")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-                   help="run on a Ray cluster (Ray Data; default: a local one)")
-    p.add_argument("--ray-workers", type=int, default=2, help="engines (actors) on the Ray cluster")
-    p.add_argument("--lora", default=None, metavar="PATH", help="embed under this PEFT LoRA adapter")
-    p.add_argument("--no-progress", action="store_true")
     # what the caption machinery reads, fixed for embedding: nothing is sampled
-    p.set_defaults(temperature=0.0, top_p=1.0, max_tokens=1, ignore_eos=False, sample_seed=None, text_items=[])
+    p.set_defaults(temperature=0.0, top_p=1.0, max_tokens=1, ignore_eos=False, sample_seed=None)
 
 
 def run_embed(args: argparse.Namespace) -> int:
