@@ -74,3 +74,21 @@ class EmbeddingRequestOutput:
         if out.embedding is None:
             raise RuntimeError(f"request {out.request_id} ended without an embedding: {out.error or 'aborted'}")
         return cls(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids, out.num_cached_tokens)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one query-document pair (vLLM's shape: `.outputs.score`):
+    a reranker's relevance, or an embedding model's cosine similarity. Its prompt tokens
+    are the pair's prompt (a reranker) or the two sides' prompts together (an embedder)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True

@@ -86,8 +86,8 @@ class AsyncLLM:
         return self._engine.model_path
 
     @property
-    def embeds(self) -> bool:
-        return self._engine.pooler is not None
+    def task(self) -> str:
+        return self._engine.task
 
     @property
     def max_model_len(self) -> int:

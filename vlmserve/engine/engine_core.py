@@ -144,7 +144,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     if speculative and speculative.method == "draft_model":
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
-    embeds = resolve_pooler(args.runner, args.pooler_config, model_path) is not None
+    pooler = resolve_pooler(args.runner, args.pooler_config, model_path)
+    embeds = pooler is not None and pooler.task == "embed"  # a reranker keeps its head: its score is two logits
     model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
                                    args.quantization, embeds)
     dtype = next(model.parameters()).dtype

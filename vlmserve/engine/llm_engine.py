@@ -20,7 +20,7 @@ from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
-from vlmserve.engine.model_source import resolve_model_path, resolve_pooler, sampling_defaults
+from vlmserve.engine.model_source import classifier_token_ids, resolve_model_path, resolve_pooler, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.engine.stats import EngineStats
@@ -80,6 +80,8 @@ class LLMEngine:
             self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
         )
         self.tokenizer = self.mm_processor.hf_processor.tokenizer
+        self.score_token_ids = classifier_token_ids(self.tokenizer, self.pooler.classifier_from_token) \
+            if self.pooler and self.pooler.classifier_from_token else None
         self.vocab_size = getattr(hf_config, "text_config", hf_config).vocab_size
         eos_ids = self._eos_token_ids(hf_config)
         self.eos_token_id = eos_ids[0] if eos_ids else None
@@ -196,18 +198,25 @@ class LLMEngine:
                                                cache_salt, lora_request, adapts_vision, pooling_params)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
 
+    @property
+    def task(self) -> str:
+        """What its requests give: "generate" (text), "embed" (a vector) or "score" (a
+        reranker's relevance score)."""
+        return "generate" if self.pooler is None else self.pooler.task
+
     def check_pooling(self, pooling_params: PoolingParams | None) -> PoolingParams | None:
-        """An embedding request on a model that embeds, a generation request on one that
+        """A pooling request on a model that pools, a generation request on one that
         generates (ValueError otherwise); the request's pooling settings filled in."""
         if self.pooler is None:
             if pooling_params is not None:
                 raise ValueError("this model generates text; it embeds when started with --runner pooling")
             return None
         if pooling_params is None:
-            raise ValueError("this model embeds (it runs with --runner pooling): ask /v1/embeddings (LLM.embed), "
-                             "not for generated text")
+            ask = "/v1/embeddings (LLM.embed)" if self.task == "embed" else "/v1/score or /v1/rerank (LLM.score)"
+            raise ValueError(f"this model {self.task}s (it runs with --runner pooling): ask {ask}, "
+                             f"not for generated text")
         pooling_params.verify(self.hidden_size)
-        return pooling_params.resolved(self.pooler)
+        return pooling_params.resolved(self.pooler, self.score_token_ids)
 
     def check_lora(self, lora: LoRARequest) -> LoRAAdapter:
         """An adapter this engine can serve (its shapes; read once per adapter), or

@@ -138,21 +138,43 @@ RUNNERS = ("auto", "generate", "pooling")
 
 
 def resolve_pooler(runner: str, pooler_config: dict, path: str) -> PoolerConfig | None:
-    """How the model pools (None: it generates). `auto` pools where the checkpoint is a
-    sentence-transformers model (modules.json with a Pooling module: its pooling mode, and
-    normalisation where a Normalize module follows); `pooling` pools anyway (LAST and
-    normalised unless the checkpoint or --pooler-config says otherwise)."""
+    """How the model pools (None: it generates). `auto` pools where the checkpoint says so:
+    a sentence-transformers model (modules.json with a Pooling module: its pooling mode, and
+    normalisation where a Normalize module follows), or a reranker (config.json's
+    `classifier_from_token`, as vLLM's hf_overrides for Qwen3-Reranker write it); `pooling`
+    pools anyway (LAST and normalised unless the checkpoint or --pooler-config says
+    otherwise)."""
     if runner not in RUNNERS:
         raise ConfigError(f"--runner {runner}: one of {', '.join(RUNNERS)}")
-    own = sentence_transformers_pooler(path)
+    own = sentence_transformers_pooler(path) or reranker_pooler(path)
     if runner == "generate" or (runner == "auto" and own is None):
         if pooler_config:
-            raise ConfigError("--pooler-config is for a model that embeds: add --runner pooling")
+            raise ConfigError("--pooler-config is for a model that embeds or scores: add --runner pooling")
         return None
     try:
         return PoolerConfig.from_dict({**(own or {}), **pooler_config})
     except ValueError as e:
         raise ConfigError(f"--pooler-config: {e}") from None
+
+
+def reranker_pooler(path: str) -> dict | None:
+    """A generative checkpoint saved as a reranker: its config.json names the two tokens
+    whose logits make the score (None otherwise)."""
+    config_file = Path(path) / "config.json"
+    tokens = json.loads(config_file.read_text()).get("classifier_from_token") if config_file.is_file() else None
+    return None if tokens is None else {"classifier_from_token": tokens}
+
+
+def classifier_token_ids(tokenizer, tokens: tuple[str, str]) -> tuple[int, int]:
+    """The ids of a reranker's (no, yes) tokens; ConfigError where one is not a single
+    token of the vocabulary."""
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ConfigError(f"classifier_from_token: {token!r} is not a token of this checkpoint's vocabulary")
+        ids.append(token_id)
+    return ids[0], ids[1]
 
 
 def sentence_transformers_pooler(path: str) -> dict | None:

@@ -22,7 +22,7 @@ class MetricsSource(Protocol):
 class EngineClient(Protocol):
     model_path: str  # the checkpoint folder
     max_model_len: int  # the context length
-    embeds: bool  # a model that embeds (a pooling runner): it takes embedding requests only
+    task: str  # "generate", or a pooling runner's "embed" (vectors) or "score" (a reranker's scores)
     sampling_defaults: dict[str, Any]  # the checkpoint's generation_config.json settings (unless turned off)
     metrics: MetricsSource
     death_listeners: list[Callable[[BaseException], None]]  # called if the engine stops for good

@@ -13,7 +13,8 @@ from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.lora.request import LoRARequest
-from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput
+from vlmserve.entrypoints.scoring import cosine, distinct_sides, embedding_prompt, reranker_messages, score_pairs
+from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
@@ -63,6 +64,34 @@ class LLM:
             prompts = [prompts]
         outputs = self._run(list(prompts), None, None, lora_request, pooling_params or PoolingParams())
         return [EmbeddingRequestOutput.of(out) for out in outputs]
+
+    def score(
+        self,
+        data_1: str | dict | Sequence[str | dict],
+        data_2: str | dict | Sequence[str | dict],
+        instruction: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per (query, document) pair: one query against every document, or one
+        query per document; each side a string or {"content": [parts]} with pictures. A
+        reranker reads each pair in one prompt (`instruction` replaces its default task);
+        an embedding model gives the cosine similarity of the two sides' vectors."""
+        pairs = score_pairs(data_1, data_2)
+        if self.engine.task == "score":
+            prompts = [self.engine.render_chat(reranker_messages(q, d, instruction)) for q, d in pairs]
+            outputs = self._run(prompts, None, None, lora_request, PoolingParams())
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]), out.prompt_token_ids,
+                                         out.num_cached_tokens) for out in outputs]
+        if self.engine.task != "embed":
+            raise ValueError("this model generates text; it scores as a reranker or an embedding model, started "
+                             "with --runner pooling")
+        sides, pair_index = distinct_sides(pairs)
+        vectors = self.embed([embedding_prompt(side, self.engine.render_chat) for side in sides],
+                             lora_request=lora_request)
+        return [ScoringRequestOutput(f"{q.request_id}+{d.request_id}",
+                                     ScoringOutput(cosine(q.outputs.embedding, d.outputs.embedding)),
+                                     q.prompt_token_ids + d.prompt_token_ids, q.num_cached_tokens + d.num_cached_tokens)
+                for q, d in ((vectors[i], vectors[j]) for i, j in pair_index)]
 
     def chat(
         self,

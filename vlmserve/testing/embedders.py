@@ -8,11 +8,12 @@ from pathlib import Path
 
 
 def write_embedder(base: str | Path, out: str | Path, pooling_mode: str = "lasttoken", normalize: bool = True) -> Path:
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    transformer = models.Transformer(str(base))
-    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling_mode)]
+    transformer = Transformer(str(base))
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode)]
     if normalize:
-        modules.append(models.Normalize())
+        modules.append(Normalize())
     SentenceTransformer(modules=modules).save(str(out))
     return Path(out)

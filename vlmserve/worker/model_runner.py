@@ -15,6 +15,7 @@ from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.phase_timer import PhaseTimer
+from vlmserve.pooling_params import PoolingParams
 from vlmserve.spec_decode.draft_model import DraftModelProposer
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.spec_decode.proposer import Proposer
@@ -301,7 +302,9 @@ class ModelRunner:
                     state.pooled_sum = total if state.pooled_sum is None else state.pooled_sum + total
                 elif params.pooling_type == "CLS" and c == 0:
                     state.pooled_first = rows[0]
-                if c + q >= state.num_prompt_tokens:
+                if c + q >= state.num_prompt_tokens and params.score_token_ids:
+                    pooled[rid] = self._relevance(hidden[token_start + q - 1], params).cpu()
+                elif c + q >= state.num_prompt_tokens:
                     vector = {"MEAN": lambda: state.pooled_sum / state.num_prompt_tokens,
                               "CLS": lambda: state.pooled_first, "LAST": lambda: rows[-1]}[params.pooling_type]()
                     vector = vector[: params.dimensions]  # Matryoshka: the first dimensions
@@ -310,6 +313,13 @@ class ModelRunner:
                     pooled[rid] = vector.cpu()
             token_start += q
         return pooled
+
+    def _relevance(self, last_hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """A reranker's score, [1]: the "yes" logit minus the "no" logit at the prompt's last
+        token (vLLM's from_2_way_softmax), through a sigmoid if asked (= P(yes) of the two)."""
+        no, yes = self.model.compute_logits(last_hidden[None])[0, list(params.score_token_ids)].float()
+        score = (yes - no)[None]
+        return torch.sigmoid(score) if params.normalize else score
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                          sample_idx: list[int]) -> dict[str, list[LogprobsEntry]]:

@@ -26,6 +26,7 @@ from vlmserve.entrypoints.openai.serving import SHUTDOWN_ERROR, ClientGone
 from vlmserve.entrypoints.openai.serving_chat import ServingChat
 from vlmserve.entrypoints.openai.serving_completion import ServingCompletion
 from vlmserve.entrypoints.openai.serving_embedding import ServingEmbedding
+from vlmserve.entrypoints.openai.serving_score import ServingScore
 from vlmserve.entrypoints.openai.serving_models import ServedModels, adapters_from_args
 from vlmserve.errors import ConfigError
 from vlmserve.metrics import CONTENT_TYPE
@@ -52,6 +53,7 @@ class OpenAIServer:
         self.chat = ServingChat(engine, self.models)
         self.completion = ServingCompletion(engine, self.models)
         self.embedding = ServingEmbedding(engine, self.models)
+        self.scoring = ServingScore(engine, self.models)
 
     # -- app -------------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -75,6 +77,10 @@ class OpenAIServer:
         app.post("/v1/chat/completions", dependencies=keyed)(self.chat.create)
         app.post("/v1/completions", dependencies=keyed)(self.completion.create)
         app.post("/v1/embeddings", dependencies=keyed)(self.embedding.create)
+        for path in ("/score", "/v1/score"):
+            app.post(path, dependencies=keyed)(self.scoring.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.post(path, dependencies=keyed)(self.scoring.rerank)
         app.post("/tokenize", dependencies=keyed)(self.tokenize)
         app.post("/detokenize", dependencies=keyed)(self.detokenize)
         if self.runtime_lora_updates:

@@ -339,3 +339,67 @@ class EmbeddingRequest(BaseModel):
         if self.input is not None and not self.input and self.input != 0:
             raise ValueError("input must not be empty")
         return self
+
+
+ScoreInput = str | dict[str, Any]  # a string, or {"content": [text / image_url / video_url parts]}
+
+
+class ScoringRequest(BaseModel):
+    """What /v1/score and /v1/rerank share (vLLM's fields): the reranker's task
+    (`instruction`, or chat_template_kwargs' "instruction"), a sigmoid on its score or the
+    raw logit difference (use_activation), truncation, priority."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    use_activation: bool | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    @property
+    def ignored_fields(self) -> set[str]:
+        return set(self.model_extra or {})
+
+    @property
+    def task_instruction(self) -> str | None:
+        return (self.chat_template_kwargs or {}).get("instruction", self.instruction)
+
+
+class ScoreRequest(ScoringRequest):
+    """/v1/score: queries against documents, one against each or one for all; under any of
+    vLLM's field pairs (queries/documents, text_1/text_2, queries/items, data_1/data_2)."""
+
+    queries: ScoreInput | list[ScoreInput] | None = None
+    documents: ScoreInput | list[ScoreInput] | None = None
+    items: ScoreInput | list[ScoreInput] | None = None
+    text_1: ScoreInput | list[ScoreInput] | None = None
+    text_2: ScoreInput | list[ScoreInput] | None = None
+    data_1: ScoreInput | list[ScoreInput] | None = None
+    data_2: ScoreInput | list[ScoreInput] | None = None
+
+    @model_validator(mode="after")
+    def _one_pair_of_fields(self):
+        self.sides()
+        return self
+
+    def sides(self) -> tuple[Any, Any, tuple[str, str]]:
+        """The queries, the documents, and the names they came under."""
+        for names in (("queries", "documents"), ("text_1", "text_2"), ("queries", "items"), ("data_1", "data_2")):
+            first, second = getattr(self, names[0]), getattr(self, names[1])
+            if first is not None and second is not None:
+                return first, second, names
+        raise ValueError("send the pairs to score as queries and documents (or text_1 and text_2)")
+
+
+class RerankRequest(ScoringRequest):
+    """/v1/rerank (Jina's and Cohere's form): one query, documents sorted by relevance,
+    the first top_n of them (0: all)."""
+
+    query: ScoreInput
+    documents: list[ScoreInput]
+    top_n: int = Field(default=0, ge=0)
+    return_documents: bool = True

@@ -170,7 +170,7 @@ class EngineReplica:
         self.engine.check_lora(lora)
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len, "embeds": self.engine.embeds}
+        return {"max_model_len": self.engine.max_model_len, "task": self.engine.task}
 
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine stopped."""
@@ -193,7 +193,7 @@ class ReplicaPool:
     hf_processor: Any
     model_path: str
     max_model_len: int
-    embeds: bool
+    task: str
     sampling_defaults: dict[str, Any]
     loader: MediaLoader
     default_mm_kwargs: dict[str, Any]
@@ -380,7 +380,7 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
     info = handle.info.remote().result()
     defaults = sampling_defaults(model_path) if engine_args.generation_config == "auto" else {}
     pool = ReplicaPool(handle, AutoProcessor.from_pretrained(model_path), model_path, info["max_model_len"],
-                       info["embeds"], defaults,
+                       info["task"], defaults,
                        MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs), hub, started,
                        joined_cluster=args.ray_address is not None)
     deadline = time.time() + 60

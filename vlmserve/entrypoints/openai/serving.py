@@ -55,8 +55,18 @@ class Started:
 ChunkShaper = Callable[[CompletionOutput, RequestOutput, str, int, int], dict[str, Any]]
 
 
+_WRONG_TASK = {
+    "generate": "this model generates text; start the server with --runner pooling to serve /v1/embeddings "
+                "and /v1/score",
+    "embed": "this model embeds (it runs with --runner pooling): ask /v1/embeddings or /v1/score, it generates "
+             "no text",
+    "score": "this model is a reranker (it runs with --runner pooling): ask /v1/score or /v1/rerank, it neither "
+             "generates text nor embeds",
+}
+
+
 class ServingBase:
-    embeds = False  # the kind of model its endpoint needs: one that embeds, or one that generates
+    tasks = ("generate",)  # what the model must do for this endpoint (the engine's task)
 
     def __init__(self, engine: EngineClient, models: ServedModels) -> None:
         self.engine = engine
@@ -67,12 +77,9 @@ class ServingBase:
         """The model it names (the adapter, None for the base model), and the fields it sent
         that are ignored (logged once per name)."""
         lora = self.models.resolve(req.model)
-        if self.engine.embeds and not self.embeds:
-            raise OpenAIError(400, "this model embeds (it runs with --runner pooling): ask /v1/embeddings, it "
-                                   "generates no text", param="model")
-        if self.embeds and not self.engine.embeds:
-            raise OpenAIError(400, "this model generates text; start the server with --runner pooling to serve "
-                                   "/v1/embeddings", param="model")
+        task = self.engine.task
+        if task not in self.tasks:
+            raise OpenAIError(400, _WRONG_TASK[task], param="model")
         new = req.ignored_fields - self._ignored_fields_logged
         if new:
             self._ignored_fields_logged |= new

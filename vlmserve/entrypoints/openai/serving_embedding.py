@@ -18,7 +18,7 @@ from vlmserve.pooling_params import PoolingParams
 
 
 class ServingEmbedding(ServingBase):
-    embeds = True
+    tasks = ("embed",)
 
     async def create(self, req: EmbeddingRequest, request: Request):
         lora = self.check(req)
