@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_peers import log, started_workers, wait_quiet  # noqa: E402
-from common import (cpu_flags, find_vllm, free_port, render_prompt,  # noqa: E402
-                    start_vlmserve, synthetic_image)
+from bench_peers import log, picture_patches, prompt_tokens, started_workers, wait_quiet  # noqa: E402
+from common import (checkpoint_costs, cpu_flags, find_vllm, free_port, machine_limits,  # noqa: E402
+                    render_prompt, start_vlmserve, synthetic_image, workload_flops)
 from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
 
 WORKERS = Path(__file__).parent / "peer_workers"
@@ -58,9 +58,12 @@ def write_pictures(folder: Path, model: str, n: int, seed: int = 0) -> list[dict
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         path = folder / f"picture-{i:02d}.png"
-        synthetic_image(rng.randint(224, 448), rng.randint(224, 448), seed=5000 + 1000 * seed + i).save(path)
+        picture = synthetic_image(rng.randint(224, 448), rng.randint(224, 448), seed=5000 + 1000 * seed + i)
+        picture.save(path)
         prompt = render_prompt(processor, {"question": QUESTION, "pictures": [0]})
-        spec.append({"prompt": prompt, "images": [str(path)], "max_tokens": 1})
+        spec.append({"prompt": prompt, "images": [str(path)], "max_tokens": 0,
+                     "patches": picture_patches(processor, picture)})
+        spec[-1]["prompt_tokens"] = prompt_tokens(processor, spec[-1])
     (folder / "workload.json").write_text(json.dumps({"requests": spec}))
     return spec
 
@@ -151,19 +154,27 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     notes: list[str] = []
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
+    limits = machine_limits(args.threads)  # before any worker starts
     with tempfile.TemporaryDirectory(prefix="bench-embed-") as tmp:
-        write_pictures(Path(tmp), model, args.pictures)
+        spec = write_pictures(Path(tmp), model, args.pictures)
         offline_speeds = offline(args, model, Path(tmp), env, vllm) if "offline" in args.parts else {}
         served_speeds = served(args, model, Path(tmp), vllm) if "served" in args.parts else {}
     print(f"\n{args.pictures} pictures of 224-448 px, one per prompt with a short question, last-token pooling; "
           f"{Path(model).name}; medians of {args.repeats}")
+    # a picture's matmul FLOPs (tower and language model over its prompt; the served rounds'
+    # pictures are drawn the same way) against the machine's bf16 matmul peak
+    flops_per_picture = workload_flops(checkpoint_costs(model), spec)[0] / len(spec)
+    peak = limits["bf16_tflops"] * 1e12
+    print(f"machine: bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s; {flops_per_picture / 1e9:.0f} GFLOP per picture")
+
+    def cell(rate: float | None) -> str:
+        return f"{rate:.2f} pictures/s ({rate * flops_per_picture / peak:.0%} of peak)" if rate else "-"
+
     print("| engine | offline (LLM.embed / batches) | /v1/embeddings, "
           f"{args.clients} clients |")
     print("| --- | --- | --- |")
     for name in dict.fromkeys([*offline_speeds, *served_speeds]):
-        off = offline_speeds.get(name)
-        srv = served_speeds.get(name)
-        print(f"| {name} | {f'{off:.2f} pictures/s' if off else '-'} | {f'{srv:.2f} pictures/s' if srv else '-'} |")
+        print(f"| {name} | {cell(offline_speeds.get(name))} | {cell(served_speeds.get(name))} |")
     for note in notes:
         print(note)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_peers import log, started_workers, wait_quiet, write_workload  # noqa: E402
-from common import cpu_flags, find_vllm  # noqa: E402
+from common import checkpoint_costs, cpu_flags, find_vllm, machine_limits, workload_flops  # noqa: E402
 from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
 
 WORKERS = Path(__file__).parent / "peer_workers"
@@ -69,6 +69,7 @@ def main() -> None:
              for i in range(args.requests)]
     modes = {"base only": [None] * args.requests, f"{args.adapters} adapters + base": mixed}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    limits = machine_limits(args.threads)  # before any worker starts
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         folder = Path(tmp)
         spec, _ = write_workload(folder, model, "mixed", args.requests)
@@ -97,11 +98,19 @@ def main() -> None:
     tokens = sum(r["max_tokens"] for r in spec)
     print(f"\n{args.requests} chats ({tokens} answer tokens, greedy), {args.adapters} adapters of rank {args.rank} "
           f"on q,k,v,o,gate,up,down; {Path(model).name}; medians of {args.repeats}")
+    # the share of the machine's bf16 matmul peak: the workload's FLOPs (the adapters' own
+    # are under 2% of them at rank 16) over the median run time
+    _, flops = workload_flops(checkpoint_costs(model), spec)
+    peak = limits["bf16_tflops"] * 1e12
+    print(f"machine: bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s, read {limits['read_gbs']:.1f} GB/s; "
+          f"workload {flops / 1e12:.1f} TFLOP")
     print(f"| engine | {' | '.join(modes)} | mixed / base |")
     print("| --- | --- | --- | --- |")
     for name in commands:
         speeds = [statistics.median(x["tokens"] / x["seconds"] for x in runs[(name, mode)]) for mode in modes]
-        print(f"| {name} | {' | '.join(f'{s:.1f} tok/s' for s in speeds)} | {speeds[1] / speeds[0]:.2f}x |")
+        shares = [flops / statistics.median(x["seconds"] for x in runs[(name, mode)]) / peak for mode in modes]
+        print(f"| {name} | {' | '.join(f'{s:.1f} tok/s ({p:.0%} of peak)' for s, p in zip(speeds, shares))} "
+              f"| {speeds[1] / speeds[0]:.2f}x |")
     for note in notes:
         print(note)
 

@@ -72,6 +72,7 @@ from common import (  # noqa: E402
     peer_workload,
     render_prompt,
     scale_workload,
+    workload_flops,
 )
 from scale_checkpoints import FAMILIES as SCALE_FAMILIES  # noqa: E402
 from scale_checkpoints import build as build_scale_checkpoint  # noqa: E402
@@ -482,8 +483,7 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     prompt = sum(r["prompt_tokens"] for r in spec)
     output = sum(r["max_tokens"] for r in spec)
     patches = sum(r["patches"] for r in spec)
-    prefill_flops = costs["text_flops_per_token"] * prompt + costs["vision_flops_per_patch"] * patches
-    total_flops = prefill_flops + (costs["text_flops_per_token"] + costs["head_flops_per_token"]) * output
+    prefill_flops, total_flops = workload_flops(costs, spec)
     roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
     # bytes per bf16 byte of a language-layer matrix: int8, and int4 with a bf16 scale and zero per 128
     shrink = {None: 1.0, "int8": 0.5, "int4": 0.25 + 4 / 256}

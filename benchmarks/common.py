@@ -124,7 +124,8 @@ def checkpoint_costs(model: str) -> dict[str, float]:
         vision = ".visual." in name or name.startswith("visual.")
         embed = "embed_tokens" in name
         if vision:
-            vision_flops += 2 * numel if dims >= 2 else 0
+            # a merger runs once per merged token: a quarter of the patches (2x2 merging)
+            vision_flops += (2 * numel // (4 if "merger" in name else 1)) if dims >= 2 else 0
         elif embed:
             decode_bytes += numel * width if tied else 0
             head_bytes += numel * width if tied else 0
@@ -251,3 +252,14 @@ def render_prompt(processor, request: dict) -> str:
     content = [{"type": "image"}] * len(request["pictures"]) + [{"type": "text", "text": request["question"]}]
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def workload_flops(costs: dict[str, float], spec: list[dict]) -> tuple[float, float]:
+    """A workload's matmul FLOPs (as if nothing were cached): its prompts' (language model
+    per prompt token, tower per vision patch), and in all (the answers' tokens through the
+    language model and the head added). spec: requests with prompt_tokens, patches and
+    max_tokens."""
+    prefill = sum(costs["text_flops_per_token"] * r["prompt_tokens"] + costs["vision_flops_per_patch"] * r["patches"]
+                  for r in spec)
+    output = sum(r["max_tokens"] for r in spec)
+    return prefill, prefill + (costs["text_flops_per_token"] + costs["head_flops_per_token"]) * output
