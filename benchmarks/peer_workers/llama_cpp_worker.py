@@ -1,8 +1,8 @@
 """bench_peers.py's llama.cpp worker: a llama-server (benchmarks/setup_llama_cpp.sh builds
 it) on the checkpoint's GGUF files (benchmarks/llama_cpp_convert.py makes them), driven over
 its own /completion endpoint with the workload's prompts: the same text, each picture
-placeholder as llama.cpp's media marker (it adds <|vision_start|> and <|vision_end|>
-itself), greedy, ignore_eos. All requests at once (one client each, as many slots) or one
+placeholder as the server's media marker (/props says which; it adds <|vision_start|>
+and <|vision_end|> itself), greedy, ignore_eos. All requests at once (one client each, as many slots) or one
 at a time (the one-user workload); streamed, so each first token's time is seen.
 
 --model is the checkpoint folder (for the driver's common flags); --gguf and --mmproj the
@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -23,7 +24,6 @@ from typing import Any
 from protocol import load_workload, protocol_stdout, serve, summarize, worker_args
 
 PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
-MARKER = "<__media__>"
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 3600) -> Any:
@@ -32,9 +32,9 @@ def post(url: str, body: dict[str, Any], timeout: float = 3600) -> Any:
 
 
 def complete(base: str, prompt: str, pictures: list[str], max_tokens: int) -> tuple[list[int], float, int]:
-    """One request: its output token ids, the wall-clock time of its first token, and
-    the prompt tokens the server took from its cache."""
-    body = {"prompt": {"prompt_string": prompt.replace(PICTURE, MARKER), "multimodal_data": pictures},
+    """One request (its prompt with the media markers): its output token ids, the
+    wall-clock time of its first token, and the prompt tokens the server took from its cache."""
+    body = {"prompt": {"prompt_string": prompt, "multimodal_data": pictures},
             "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True, "stream": True,
             "cache_prompt": True, "return_tokens": True}
     tokens: list[int] = []
@@ -77,7 +77,8 @@ def main() -> None:
     server = subprocess.Popen([
         str(args.server), "-m", str(args.gguf), "--mmproj", str(args.mmproj), "-t", str(args.threads),
         "-tb", str(args.threads), "-np", str(slots), "--kv-unified", "-c", str(args.context),
-        "--host", "127.0.0.1", "--port", str(args.port), "--no-webui", "--cache-ram", "0", "-ngl", "0"])
+        "--host", "127.0.0.1", "--port", str(args.port), "--no-webui", "--cache-ram", "0", "-ngl", "0",
+        "--slot-save-path", tempfile.mkdtemp(prefix="llama-slots-")])  # the slot actions (erase) need it
     base = f"http://127.0.0.1:{args.port}"
     while True:
         if server.poll() is not None:
@@ -89,6 +90,8 @@ def main() -> None:
         except OSError:
             time.sleep(0.2)
     start_seconds = time.perf_counter() - t
+    with urllib.request.urlopen(base + "/props", timeout=10) as response:
+        marker = json.load(response)["media_marker"]
 
     def reset() -> None:
         for slot in range(slots):  # forget every slot's prompt cache
@@ -99,7 +102,8 @@ def main() -> None:
 
         def one(i: int) -> None:
             r = requests[i]
-            results[i] = complete(base, r.prompt, [pictures[id(im)] for im in r.images], r.max_tokens)
+            results[i] = complete(base, r.prompt.replace(PICTURE, marker), [pictures[id(im)] for im in r.images],
+                                  r.max_tokens)
 
         run_start = time.time()
         if message.get("sequential"):

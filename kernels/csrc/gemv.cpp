@@ -4,8 +4,9 @@
 // own band of weight rows once, four at a time, each loaded 32 bf16 at a time and
 // multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation).
 // int8_gemv does the same for an int8 weight with one scale per row (--quantization int8):
-// half the bytes to stream, multiplied as integers (x quantized to int16 per row) by
-// AVX512-VNNI, the scales applied once to each sum.
+// half the bytes to stream, multiplied as integers by AVX512-VNNI (bf16 x quantized to int8
+// per group of 128, 64 products an instruction; fp32 x to int16 per row, 32 an instruction,
+// to stay as exact as fp32 parity needs), the scales applied to each sum.
 // int4_gemv does it for a 4-bit weight with a scale and zero point per group of 128 inputs
 // (--quantization int4, AWQ, GPTQ): a quarter of the bytes, each group's 64 bytes split into
 // two vectors of nibbles and multiplied with x quantized to int8 per group by dpbusd (64
@@ -99,6 +100,44 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+constexpr int64_t kGroup = 128;   // inputs per scale and zero point
+constexpr int64_t kRowTile = 4;   // rows of x per pass over a band's weights (kept in L1 meanwhile)
+
+// x [M, K] fp32 to int8 per group of 128 (scale = max |x| / 127, so no value is -128: the
+// int8 kernel may negate any), each group's scale, and the sum of its quantized values
+// times that scale.
+struct QuantizedRows {
+  at::Tensor values, scales, sums;
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const int64_t G = K / kGroup;
+  QuantizedRows q{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, G}, xf.options()),
+                  at::empty({M, G}, xf.options())};
+  const float* src = xf.data_ptr<float>();
+  int8_t* values = q.values.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* sums = q.sums.data_ptr<float>();
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* group = src + i * kGroup;
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kGroup; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(group + k)));
+    const float scale = std::max(_mm512_reduce_max_ps(top) / 127.0f, 1e-30f);
+    const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t k = 0; k < kGroup; k += 16) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(group + k), inverse),
+                                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      total = _mm512_add_epi32(total, rounded);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(values + i * kGroup + k), _mm512_cvtsepi32_epi8(rounded));
+    }
+    scales[i] = scale;
+    sums[i] = static_cast<float>(_mm512_reduce_add_epi32(total)) * scale;
+  }
+  return q;
+}
+
 constexpr int64_t kFlush = 256;  // int32 sums of int16 x int8 products flushed to fp32 this often (no overflow)
 
 // out[m][n] = scale_x[m] * scale_w[n] * sum_k xq[m][k] * w[n][k]: x quantized to int16 per row
@@ -138,6 +177,44 @@ void int8_gemv_band(const int16_t* x, const float* x_scales, const int8_t* w, co
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+// For bf16 x (whose own rounding is 2^-9): x quantized to int8 per group of 128 instead, so
+// dpbusd takes 64 products an instruction with no widening; it multiplies unsigned by
+// signed, so each weight byte goes in as |w| and its sign moves onto x (-x where w < 0).
+// out[m][n] = scale_w[n] * sum over groups of x_scale[m][g] * sum_k |w[n][k]| * (+-xq[m][k]).
+template <int M, int B>
+inline void int8_gemv_rows_q8(const int8_t* xq, const float* xs, const int8_t* w, const float* scales, int64_t K,
+                              int64_t N, int64_t r, int64_t n, float* out) {
+  const int64_t G = K / kGroup;
+  __m512 acc[M][B];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < B; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i x_first[M], x_second[M];
+    for (int m = 0; m < M; ++m) {
+      x_first[m] = _mm512_loadu_si512(xq + (r + m) * K + g * kGroup);
+      x_second[m] = _mm512_loadu_si512(xq + (r + m) * K + g * kGroup + 64);
+    }
+    for (int j = 0; j < B; ++j) {
+      const __m512i w_first = _mm512_loadu_si512(w + (n + j) * K + g * kGroup);
+      const __m512i w_second = _mm512_loadu_si512(w + (n + j) * K + g * kGroup + 64);
+      const __mmask64 negative_first = _mm512_movepi8_mask(w_first), negative_second = _mm512_movepi8_mask(w_second);
+      const __m512i abs_first = _mm512_abs_epi8(w_first), abs_second = _mm512_abs_epi8(w_second);
+      for (int m = 0; m < M; ++m) {
+        const __m512i signed_first = _mm512_mask_sub_epi8(x_first[m], negative_first, _mm512_setzero_si512(), x_first[m]);
+        const __m512i signed_second =
+            _mm512_mask_sub_epi8(x_second[m], negative_second, _mm512_setzero_si512(), x_second[m]);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), abs_first, signed_first);
+        dot = _mm512_dpbusd_epi32(dot, abs_second, signed_second);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[(r + m) * G + g]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < B; ++j) out[(r + m) * N + n + j] = _mm512_reduce_add_ps(acc[m][j]) * scales[n + j];
+}
+#endif
+
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
   const int64_t K = weight.size(1), N = weight.size(0);
@@ -145,6 +222,39 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
               x.numel() / K <= kMaxRows && scales.numel() == N,
               "int8_gemv: x of at most 4 rows, a contiguous int8 weight [N, K] with K a multiple of 32, N scales");
   const int64_t M = x.numel() / K;
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (x.scalar_type() == at::kBFloat16 && K % kGroup == 0) {
+    const QuantizedRows xq = quantize_rows(x, M, K);
+    const at::Tensor sf = scales.to(at::kFloat).contiguous();
+    at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+    const int8_t* xp = xq.values.data_ptr<int8_t>();
+    const float* xs = xq.scales.data_ptr<float>();
+    const int8_t* wp = weight.data_ptr<int8_t>();
+    const float* sp = sf.data_ptr<float>();
+    float* op = acc.data_ptr<float>();
+    at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1;) {
+        const bool band = n + kBand <= n1;
+        switch (M) {
+          case 1: band ? int8_gemv_rows_q8<1, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
+                       : int8_gemv_rows_q8<1, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
+          case 2: band ? int8_gemv_rows_q8<2, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
+                       : int8_gemv_rows_q8<2, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
+          case 3: band ? int8_gemv_rows_q8<3, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
+                       : int8_gemv_rows_q8<3, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
+          default: band ? int8_gemv_rows_q8<4, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
+                        : int8_gemv_rows_q8<4, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
+        }
+        n += band ? kBand : 1;
+      }
+    });
+    if (bias.has_value()) acc.add_(bias->to(at::kFloat));
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N;
+    return acc.to(x.scalar_type()).view(shape);
+  }
+#endif
+  // fp32 x: quantized to int16 per row, so that its products stay as exact as fp32 parity needs
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat);
   const at::Tensor x_scales = (xf.abs().amax(1) / 32767.0).clamp_min(1e-30);
   const at::Tensor xq = (xf / x_scales.unsqueeze(1)).round().to(at::kShort).contiguous();
@@ -174,9 +284,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-constexpr int64_t kGroup = 128;   // inputs per scale and zero point
-constexpr int64_t kRowTile = 4;   // rows of x per pass over a band's weights (kept in L1 meanwhile)
-
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -245,20 +352,16 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
               zeros.numel() == N * (K / 128),
               "int4_gemv: a contiguous uint8 weight [N, K / 2] with K a multiple of 128, bf16 scales and zeros "
               "[N, K / 128]");
-  const int64_t M = x.numel() / K, G = K / 128;
+  const int64_t M = x.numel() / K;
+  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   // x quantized to int8 per group of 128 (as llama.cpp's Q8 activations), and each group's sum
   // of the quantized values: the zero points then see the same x as the nibbles, so the
   // rounding error is that of w * x, not of (w - zero) * x
-  const at::Tensor xf = x.reshape({M, G, 128}).to(at::kFloat);
-  const at::Tensor x_scales = (xf.abs().amax(2) / 127.0).clamp_min(1e-30).contiguous();
-  const at::Tensor xr = (xf / x_scales.unsqueeze(2)).round();
-  const at::Tensor xq = xr.to(at::kChar).contiguous();
-  const at::Tensor x_sums = (xr.sum(2) * x_scales).contiguous();
-  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  const int8_t* xp = xq.data_ptr<int8_t>();
-  const float* xs = x_scales.data_ptr<float>();
-  const float* xsum = x_sums.data_ptr<float>();
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  const int8_t* xp = xq.values.data_ptr<int8_t>();
+  const float* xs = xq.scales.data_ptr<float>();
+  const float* xsum = xq.sums.data_ptr<float>();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
