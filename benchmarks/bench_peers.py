@@ -415,14 +415,15 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     print()
     base = engines[0]
     header = (f"{'engine':<22}{'tok/s':>9}{'TTFT p50/p90 (s)':>18}  {'runs (s)':<22}{'start (s)':>10}"
-              f"{'user (s)':>10}{'sys (s)':>9}{'sys/user':>10}{'cached tok':>12}  vlmserve / X")
+              f"{'user (s)':>10}{'sys (s)':>9}{'sys/user':>10}{'cached tok':>12}{'peak RSS':>10}  vlmserve / X")
     print(header)
     for e in engines:
         runs = " ".join(f"{r['seconds']:.2f}" for r in e.runs)
         user, system = e.median("user"), e.median("sys")
         ratio = "-" if e is base else fmt_ratio(base.tok_s() / e.tok_s())
         print(f"{e.name:<22}{e.tok_s():>9.1f}{e.ttft():>18}  {runs:<22}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
-              f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}  {ratio}")
+              f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}"
+              f"{max(r.get('peak_rss_gb', 0) for r in e.runs):>8.2f}GB  {ratio}")
     print()
     if len(engines) > 1:
         print("agreement with vlmserve's greedy tokens (last run, share of requests):")

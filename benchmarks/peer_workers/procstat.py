@@ -1,5 +1,5 @@
-"""User and system CPU seconds of a process and all its descendants, from /proc (no psutil,
-no vlmserve: every worker imports it, whatever its venv)."""
+"""User and system CPU seconds, and peak resident memory, of a process and all its
+descendants, from /proc (no psutil, no vlmserve: every worker imports it, whatever its venv)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,19 @@ def cpu_times(pid: int | None = None) -> tuple[float, float]:
             user += stats[p][1]
             system += stats[p][2]
     return user / TICK, system / TICK
+
+
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """The peak resident memory (VmHWM) of pid (default: this process) and its live
+    descendants, added up (an engine's server process counts with its worker)."""
+    pid = os.getpid() if pid is None else pid
+    total = 0
+    for p in descendants(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+    return total

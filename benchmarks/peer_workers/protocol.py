@@ -5,7 +5,8 @@ engine's worker (standard library and Pillow only: the vLLM venv imports it too)
     <- {"cmd": "run", ...}                                  the whole workload, from cold caches
                                                             ("sequential": one request at a time;
                                                             "workload": another workload file)
-    -> {"seconds", "tokens", "user", "sys", "cached_tokens", "first_tokens", "exact_lengths", "ttft"}
+    -> {"seconds", "tokens", "user", "sys", "peak_rss_gb", "cached_tokens", "first_tokens",
+        "exact_lengths", "ttft"}
     <- {"cmd": "quit"}
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from PIL import Image
-from procstat import cpu_times
+from procstat import cpu_times, peak_rss_bytes
 
 FIRST_TOKENS = 8  # output tokens per request the driver compares across engines
 
@@ -113,4 +114,5 @@ def serve(out: TextIO, start_seconds: float, reset: Callable[[], None], run: Cal
         result = run(message)
         seconds = time.perf_counter() - t
         user_after, system_after = cpu_times()
-        send(out, {"seconds": seconds, "user": user_after - user, "sys": system_after - system, **result})
+        send(out, {"seconds": seconds, "user": user_after - user, "sys": system_after - system,
+                   "peak_rss_gb": peak_rss_bytes() / 1e9, **result})
