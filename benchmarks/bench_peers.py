@@ -22,6 +22,11 @@ vLLM needs a venv of its own (it pins another torch): `bash benchmarks/setup_vll
 builds one at ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python);
 without it vLLM is skipped. Its compiled mode compiles for ~50 s on its first start.
 
+llama.cpp (`--engines ...,llama.cpp`, for `--scale` checkpoints): its llama-server on the
+checkpoint converted by its own converter to GGUF (`--llama-cpp-types Q8_0,Q4_K_M`,
+bf16), built by `bash benchmarks/setup_llama_cpp.sh` (default folder
+~/.cache/vlmserve-bench/llamacpp, else --llama-cpp); without it llama.cpp is skipped.
+
 `--device cuda` runs the same comparison on a GPU: vlmserve on its Triton kernels,
 transformers on the GPU, and vLLM only from a CUDA build's python given by --vllm-python
 (the default venv is the CPU build). Without CUDA it says so and exits.
@@ -190,7 +195,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=None, help="requests of the mixed (256) or batch (32) workload")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="some of: " + ",".join(ENGINES))
+    ap.add_argument("--engines", default="vlmserve,transformers,vllm",
+                    help="some of: " + ",".join(ENGINES) + " (llama.cpp: the checkpoints at published widths)")
     ap.add_argument("--quantizations", default="",
                     help="also run vlmserve with its language layers quantized at load: int8 and/or int4")
     ap.add_argument("--vllm-python", type=Path, default=None,

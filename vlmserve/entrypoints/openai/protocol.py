@@ -304,24 +304,15 @@ class DetokenizeRequest(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
-class EmbeddingRequest(BaseModel):
-    """/v1/embeddings: OpenAI's `input` (text, texts, token ids, lists of token ids), or
-    vLLM's multimodal form, chat `messages` rendered by the template (pictures and videos
-    as in chat completions)."""
+class PoolingRequest(BaseModel):
+    """What the pooling endpoints share (vLLM's fields): use_activation (embeddings:
+    normalised; a reranker: its score through a sigmoid; default: the model's setting),
+    template settings, truncation, priority."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
-    messages: list[dict[str, Any]] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # Matryoshka: the first this many, normalised after the cut
-    user: str | None = None
-    # vLLM's extensions
-    normalize: bool | None = None  # default: the model's pooler setting
-    use_activation: bool | None = None  # vLLM's newer name for normalize
-    add_generation_prompt: bool = False  # messages: as vLLM renders them for embeddings
-    continue_final_message: bool = False
+    use_activation: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     truncate_prompt_tokens: int | None = None
@@ -331,6 +322,22 @@ class EmbeddingRequest(BaseModel):
     @property
     def ignored_fields(self) -> set[str]:
         return set(self.model_extra or {})
+
+
+class EmbeddingRequest(PoolingRequest):
+    """/v1/embeddings: OpenAI's `input` (text, texts, token ids, lists of token ids), or
+    vLLM's multimodal form, chat `messages` rendered by the template (pictures and videos
+    as in chat completions)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka: the first this many, normalised after the cut
+    user: str | None = None
+    # vLLM's extensions
+    normalize: bool | None = None  # vLLM's older name for use_activation
+    add_generation_prompt: bool = False  # messages: as vLLM renders them for embeddings
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_form(self):
@@ -344,25 +351,11 @@ class EmbeddingRequest(BaseModel):
 ScoreInput = str | dict[str, Any]  # a string, or {"content": [text / image_url / video_url parts]}
 
 
-class ScoringRequest(BaseModel):
-    """What /v1/score and /v1/rerank share (vLLM's fields): the reranker's task
-    (`instruction`, or chat_template_kwargs' "instruction"), a sigmoid on its score or the
-    raw logit difference (use_activation), truncation, priority."""
+class ScoringRequest(PoolingRequest):
+    """What /v1/score and /v1/rerank share: the reranker's task (`instruction`, or
+    chat_template_kwargs' "instruction")."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
     instruction: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    use_activation: bool | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-
-    @property
-    def ignored_fields(self) -> set[str]:
-        return set(self.model_extra or {})
 
     @property
     def task_instruction(self) -> str | None:
