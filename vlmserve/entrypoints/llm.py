@@ -13,7 +13,7 @@ from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.lora.request import LoRARequest
-from vlmserve.entrypoints.scoring import cosine, distinct_sides, embedding_prompt, reranker_messages, score_pairs
+from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
@@ -76,22 +76,12 @@ class LLM:
         query per document; each side a string or {"content": [parts]} with pictures. A
         reranker reads each pair in one prompt (`instruction` replaces its default task);
         an embedding model gives the cosine similarity of the two sides' vectors."""
-        pairs = score_pairs(data_1, data_2)
-        if self.engine.task == "score":
-            prompts = [self.engine.render_chat(reranker_messages(q, d, instruction)) for q, d in pairs]
-            outputs = self._run(prompts, None, None, lora_request, PoolingParams())
-            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.embedding[0]), out.prompt_token_ids,
-                                         out.num_cached_tokens) for out in outputs]
-        if self.engine.task != "embed":
-            raise ValueError("this model generates text; it scores as a reranker or an embedding model, started "
-                             "with --runner pooling")
-        sides, pair_index = distinct_sides(pairs)
-        vectors = self.embed([embedding_prompt(side, self.engine.render_chat) for side in sides],
-                             lora_request=lora_request)
-        return [ScoringRequestOutput(f"{q.request_id}+{d.request_id}",
-                                     ScoringOutput(cosine(q.outputs.embedding, d.outputs.embedding)),
-                                     q.prompt_token_ids + d.prompt_token_ids, q.num_cached_tokens + d.num_cached_tokens)
-                for q, d in ((vectors[i], vectors[j]) for i, j in pair_index)]
+        plan = ScoringPlan.of(self.engine.task, score_pairs(data_1, data_2), self.engine.render_chat, instruction)
+        outputs = self._run(plan.prompts, None, None, lora_request, PoolingParams())
+        return [ScoringRequestOutput("+".join(out.request_id for out in parts), ScoringOutput(score),
+                                     [t for out in parts for t in out.prompt_token_ids],
+                                     sum(out.num_cached_tokens for out in parts))
+                for score, parts in plan.scored(outputs)]
 
     def chat(
         self,

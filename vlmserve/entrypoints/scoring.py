@@ -9,11 +9,14 @@ ScoreMultiModalParam); pictures may stand on either side."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vlmserve.engine.input_processor import PromptInput
+from vlmserve.outputs import RequestOutput
 
 RERANKER_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct '
                    'provided. Note that the answer can only be "yes" or "no".')
@@ -88,3 +91,35 @@ def embedding_prompt(side: Any, render_chat) -> PromptInput:
 def cosine(a: list[float], b: list[float]) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) or 1.0))
+
+
+@dataclass
+class ScoringPlan:
+    """The prompts that score some pairs on a model, and which of their outputs make each
+    pair's score: a reranker's one prompt per pair, an embedder's two sides."""
+
+    prompts: list[PromptInput]
+    sides_of_pair: list[tuple[int, ...]]  # per pair: the prompts whose outputs score it
+
+    @classmethod
+    def of(cls, task: str, pairs: list[tuple[Any, Any]], render_chat: Callable[..., PromptInput],
+           instruction: str | None = None) -> ScoringPlan:
+        """task: the engine's; ValueError for a model that generates, or a side it cannot render."""
+        if task == "score":
+            return cls([render_chat(reranker_messages(q, d, instruction)) for q, d in pairs],
+                       [(i,) for i in range(len(pairs))])
+        if task != "embed":
+            raise ValueError("this model generates text; it scores as a reranker or an embedding model, started "
+                             "with --runner pooling")
+        sides, pair_index = distinct_sides(pairs)
+        return cls([embedding_prompt(side, render_chat) for side in sides], pair_index)
+
+    def scored(self, outputs: list[RequestOutput]) -> list[tuple[float, list[RequestOutput]]]:
+        """Each pair's score and the outputs it came from (a reranker's relevance, or the
+        cosine of the two sides' vectors)."""
+        result = []
+        for index in self.sides_of_pair:
+            parts = [outputs[i] for i in index]
+            score = parts[0].embedding[0] if len(parts) == 1 else cosine(parts[0].embedding, parts[1].embedding)
+            result.append((score, parts))
+        return result

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from vlmserve.entrypoints.openai.protocol import OpenAIError, RerankRequest, ScoreRequest, ScoringRequest
 from vlmserve.entrypoints.openai.serving import ServingBase
-from vlmserve.entrypoints.scoring import cosine, distinct_sides, embedding_prompt, reranker_messages, score_pairs
+from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.lora.request import LoRARequest
 from vlmserve.pooling_params import PoolingParams
 
@@ -49,21 +49,14 @@ class ServingScore(ServingBase):
                       documents: Any, names: tuple[str, str], request: Request) -> tuple[list[float], int]:
         """One score per pair, and the prompt tokens the engine read."""
         try:
-            pairs = score_pairs(queries, documents, names)
-            if self.engine.task == "score":
-                prompts = [self.engine.render_chat(reranker_messages(q, d, req.task_instruction)) for q, d in pairs]
-            else:
-                sides, pair_index = distinct_sides(pairs)
-                prompts = [embedding_prompt(side, self.engine.render_chat) for side in sides]
+            plan = ScoringPlan.of(self.engine.task, score_pairs(queries, documents, names), self.engine.render_chat,
+                                  req.task_instruction)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         truncate = self.truncation(req)
-        for prompt in prompts:
+        for prompt in plan.prompts:
             prompt.mm_processor_kwargs, prompt.truncate_prompt_tokens = dict(req.mm_processor_kwargs or {}), truncate
         pooling = PoolingParams(normalize=req.use_activation) if self.engine.task == "score" else PoolingParams()
-        started = await self.start_all(request_id, prompts, None, req, request, lora, pooling)
+        started = await self.start_all(request_id, plan.prompts, None, req, request, lora, pooling)
         finals = await self.final(started, request)
-        tokens = sum(len(out.prompt_token_ids) for out in finals)
-        if self.engine.task == "score":
-            return [out.embedding[0] for out in finals], tokens
-        return [cosine(finals[i].embedding, finals[j].embedding) for i, j in pair_index], tokens
+        return [score for score, _ in plan.scored(finals)], sum(len(out.prompt_token_ids) for out in finals)
