@@ -15,6 +15,8 @@ is dequantized on the fly and multiplied in the activations' dtype.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ from vlmserve.kernels.registry import register
 
 METHODS = ("int8", "int4")
 INT4_GROUP = 128
+QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB, reused block after block
 # up to this many rows torch's packed-weight kernels beat dequantizing and a bf16 matmul
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128}
@@ -58,6 +61,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.zeros) if t is not None)
 
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The weight with fn applied to its tensors (a module's `.to(device)`)."""
+        return dataclasses.replace(self, data=fn(self.data), scales=fn(self.scales),
+                                   zeros=None if self.zeros is None else fn(self.zeros))
+
 
 def quantizable(weight: torch.Tensor, method: str) -> bool:
     """int4 needs whole groups of 128 inputs."""
@@ -66,21 +74,34 @@ def quantizable(weight: torch.Tensor, method: str) -> bool:
 
 def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
     """Round-to-nearest quantization of a [out, in] weight (computed in fp32); int4 in
-    groups of `group` inputs."""
+    groups of `group` inputs. Rows are quantized a block at a time into preallocated
+    outputs, so that the fp32 temporaries stay small (a 151,936-row head in fp32 would
+    be over a gigabyte)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
-    w = weight.detach().float()
-    shape, dtype = (w.shape[0], w.shape[1]), weight.dtype
+    shape, dtype = (weight.shape[0], weight.shape[1]), weight.dtype
+    rows = max(1, QUANTIZE_BLOCK // shape[1])
     if method == "int8":
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(method, shape, dtype, q, scales.to(dtype))
-    groups = w.view(shape[0], shape[1] // group, group)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(shape)
-    return QuantizedWeight(method, shape, dtype, q[:, 0::2] | (q[:, 1::2] << 4), scales.to(dtype), low.to(dtype),
-                           "plain", group)
+        data = torch.empty(shape, dtype=torch.int8)
+        scales = torch.empty(shape[0], dtype=dtype)
+        for start in range(0, shape[0], rows):
+            w = weight[start : start + rows].detach().float()
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            data[start : start + rows] = torch.round(w / scale[:, None]).clamp(-127, 127)
+            scales[start : start + rows] = scale
+        return QuantizedWeight(method, shape, dtype, data, scales)
+    data = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8)
+    scales = torch.empty(shape[0], shape[1] // group, dtype=dtype)
+    zeros = torch.empty_like(scales)
+    for start in range(0, shape[0], rows):
+        w = weight[start : start + rows].detach().float()
+        groups = w.view(w.shape[0], shape[1] // group, group)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(w.shape)
+        data[start : start + rows] = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales[start : start + rows], zeros[start : start + rows] = scale, low
+    return QuantizedWeight(method, shape, dtype, data, scales, zeros, "plain", group)
 
 
 def int4_values(qw: QuantizedWeight) -> torch.Tensor:

@@ -143,8 +143,11 @@ class VisionLanguageModel(nn.Module):
             return "model.language_model." + name[len("model.") :]
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     quantize: dict[Linear, str] | None = None) -> None:
+        """Loads the checkpoint's tensors; the layers in `quantize` (layer -> method) are
+        quantized as each one's weight is complete."""
+        loader = WeightLoader(self, quantize)
         fused = {**self.extra_fused, **FUSED_PROJECTIONS}
         for name, tensor in weights:
             if name.startswith("mtp."):

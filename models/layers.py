@@ -99,6 +99,12 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             self.quantized = ops.prepare_quantized_weight(self.quantized)
 
+    def _apply(self, fn, recurse: bool = True):
+        # the quantized weight is no parameter: it moves with the module (model.to(device))
+        if self.quantized is not None:
+            self.quantized = self.quantized.apply(fn)
+        return super()._apply(fn, recurse)
+
     def _set_quantized(self, weight: QuantizedWeight) -> None:
         self.quantized = weight
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed

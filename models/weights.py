@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,9 +35,32 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     for file in files:
-        with safe_open(str(model_dir / file), framework="pt") as f:
-            for name in f.keys():
+        path = str(model_dir / file)
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            # a tensor is a view of the file mapped into memory, and every page read stays
+            # in this process's RSS while the file is open: one mapping per tensor keeps
+            # loading's peak at the weights' size, not twice it
+            with safe_open(path, framework="pt") as f:
                 yield name, f.get_tensor(name)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc's
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hands the heap's free pages back to the system. glibc keeps a freed block's pages
+    when it sits below live ones: layer after layer quantized while loading, those holes
+    would add up to the full-precision size that quantizing saves."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class WeightLoader:
@@ -43,12 +68,18 @@ class WeightLoader:
 
     Fused parameters (a FusedLinear's weight and bias) are filled shard by shard. A weight
     quantized in the checkpoint (a QuantizedWeight) goes to its Linear as it is; anywhere
-    else it is dequantized.
+    else it is dequantized. A Linear in `quantize` (layer -> method) is quantized as soon
+    as its weight is complete, so that the full-precision weights are never all resident.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, quantize: dict[Linear, str] | None = None) -> None:
         self.model = model
+        targets = quantize or {}
+        for module in targets:  # allocated when its first part arrives, freed once quantized
+            module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
         self.params = dict(model.named_parameters())
+        self.quantize_when_loaded = {f"{name}.weight": (module, targets[module])
+                                     for name, module in model.named_modules() if module in targets}
         self.loaded: set[str] = set()
         self.shards_loaded: dict[str, set[int]] = {}
         self.pieces_loaded: dict[str, set] = {}
@@ -60,7 +91,7 @@ class WeightLoader:
                 raise ValueError(f"{name}: checkpoint shape {tensor.shape} != model shape {tuple(linear.weight.shape)}")
             linear.add_quantized_shard(tensor)
             linear.finish_loading([linear.out_features])
-            self.loaded.add(name)
+            self._mark_loaded(name)
             return
         tensor = dequantize(tensor) if isinstance(tensor, QuantizedWeight) else tensor
         param = self._param(name)
@@ -68,7 +99,7 @@ class WeightLoader:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
-        self.loaded.add(name)
+        self._mark_loaded(name)
 
     def copy_shard(self, name: str, tensor: torch.Tensor | QuantizedWeight, index: int) -> None:
         module = self.model.get_submodule(name.rsplit(".", 1)[0])
@@ -86,7 +117,7 @@ class WeightLoader:
         done = self.shards_loaded.setdefault(name, set())
         done.add(index)
         if len(done) == len(sizes):
-            self.loaded.add(name)
+            self._mark_loaded(name)
             if name.endswith(".weight") and getattr(module, "quantized_parts", None) is not None:
                 module.finish_loading(sizes)
 
@@ -101,7 +132,15 @@ class WeightLoader:
         done = self.pieces_loaded.setdefault(name, set())
         done.add(key)
         if len(done) == pieces:
-            self.loaded.add(name)
+            self._mark_loaded(name)
+
+    def _mark_loaded(self, name: str) -> None:
+        self.loaded.add(name)
+        if name in self.quantize_when_loaded:
+            module, method = self.quantize_when_loaded.pop(name)
+            if module.quantize(method):
+                self.params[name] = module.weight  # the full-precision one is freed: no reference here
+                return_freed_memory()
 
     def _quantized_target(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> Linear | None:
         """The Linear whose weight a quantized checkpoint tensor is (None for a plain
@@ -116,7 +155,13 @@ class WeightLoader:
     def _param(self, name: str) -> nn.Parameter:
         if name not in self.params:
             raise KeyError(f"checkpoint weight {name!r} has no place in {type(self.model).__name__}")
-        return self.params[name]
+        param = self.params[name]
+        if param.is_meta:  # a weight to quantize: it exists in full precision only while it loads
+            module_name, _, leaf = name.rpartition(".")
+            param = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+            setattr(self.model.get_submodule(module_name), leaf, param)
+            self.params[name] = param
+        return param
 
     def check_all_loaded(self) -> None:
         missing = sorted(set(self.params) - self.loaded)

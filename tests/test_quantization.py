@@ -133,6 +133,34 @@ def test_the_language_layers_keep_only_their_quantized_weights(wide_checkpoints,
     assert vision and all(m.quantized is None and m.weight.numel() > 0 for m in vision)
 
 
+PEAK_RSS = """
+import sys
+from vlmserve.kernels import kernel_table
+from vlmserve.worker.model_loader import load_model
+
+def kb(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+before = kb("VmRSS")
+model, _ = load_model(sys.argv[1], "bfloat16", kernel_table("cpu"), pack_weights=False, quantization=sys.argv[2])
+print(before, kb("VmHWM"), kb("VmRSS"))
+"""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_loading_peaks_near_the_quantized_size(method, tmp_path):
+    """Each layer is quantized as it loads and the checkpoint file is mapped a tensor at a
+    time: the process never holds the language layers' bf16 weights (192 MB here) at once."""
+    path = build_qwen2_5_vl(tmp_path / "ckpt", hidden_size=1024, intermediate_size=4096, num_layers=6,
+                            num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
+    bf16_layers = 6 * 2 * (1024 * (1024 + 2 * 256) + 1024 * 1024 + 3 * 1024 * 4096)
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, str(path), method], capture_output=True, text=True,
+                         check=True).stdout.split()
+    before, peak, after = (int(v) * 1024 for v in out)
+    assert after - before < 0.8 * bf16_layers, (before, peak, after)  # int8 is half, int4 a quarter
+    assert peak - before < bf16_layers, (before, peak, after)  # all at once, and the file mapped: 3x
+
+
 ANSWERS = json.loads((SAMPLES / "answers.json").read_text())
 
 

@@ -17,7 +17,7 @@ from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Linear
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
-from vlmserve.models.weights import iter_safetensors
+from vlmserve.models.weights import iter_safetensors, return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,27 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
     return extra if any(m.packed_weight is not None for m in linears) else 0
 
 
-def quantize_linear_weights(model: nn.Module, method: str, with_head: bool = True) -> tuple[int, int]:
-    """Quantizes the linear layers of the language model, and the output head to int8
-    under either method (as llama.cpp's Q4/Q8 files keep it at 6-8 bits; a head tied to
-    the embeddings gets an int8 copy, the table stays for lookups); the vision tower and
-    the embeddings keep their dtype. Returns the weights' bytes before and after."""
+def quantization_targets(model: nn.Module, method: str, with_head: bool = True) -> dict[Linear, str]:
+    """The layers to quantize, with their method: the linear layers of the language model,
+    and the output head in int8 under either method (as llama.cpp's Q4/Q8 files keep it at
+    6-8 bits); the vision tower and the embeddings keep their dtype. A head tied to the
+    embedding table is not here: it is made (an int8 copy; the table stays for lookups)
+    once the table is loaded."""
+    targets = {m: method for m in model.model.language_model.modules() if isinstance(m, Linear)}
+    if with_head and model.lm_head is not None:  # 151,936 x 2048: a third of 3B's bytes at 8 layers
+        targets[model.lm_head] = "int8"
+    return targets
+
+
+def quantize_remaining(targets: dict[Linear, str]) -> tuple[int, int]:
+    """Quantizes the targets not quantized while loading (a tied head's copy); returns the targets' weight bytes in full precision and quantized."""
     before = after = 0
-    layers = [(m, method) for m in model.model.language_model.modules() if isinstance(m, Linear)]
-    if with_head:  # 151,936 x 2048: a third of the bytes of 3B widths at 8 layers
-        layers.append((model.untied_head(), "int8"))
-    for module, how in layers:
-        size = module.weight.numel() * module.weight.element_size()
-        if module.quantize(how):
-            before, after = before + size, after + module.quantized.nbytes
+    for module, method in targets.items():
+        if module.quantized is None:
+            module.quantize(method)
+        if module.quantized is not None:
+            before += module.in_features * module.out_features * module.weight.element_size()
+            after += module.quantized.nbytes
     return before, after
 
 
@@ -144,19 +152,26 @@ def load_model(
     if published and quantization:
         raise ValueError(f"the checkpoint is already quantized ({published.method}): --quantization is for "
                          f"unquantized ones")
+    num_params = sum(p.numel() for p in model.parameters())
     weights = iter_safetensors(model_path)
-    model.load_weights(read_quantized(weights, published, dtype) if published else weights)
+    # each layer is quantized as soon as it is loaded: its full-precision weight is freed
+    # before the next one is read, so loading peaks near the quantized size
+    targets = quantization_targets(model, quantization, with_head=not embeds) if quantization else {}
+    model.load_weights(read_quantized(weights, published, dtype) if published else weights, targets)
     model = model.to(device=device).eval()  # params were created in dtype; fp32 buffers stay fp32
     model.requires_grad_(False)
-    num_params = sum(p.numel() for p in model.parameters())
     if quantization:
-        before, after = quantize_linear_weights(model, quantization, with_head=not embeds)
+        if not embeds:
+            targets.setdefault(model.untied_head(), "int8")  # a tied head's int8 copy
+        before, after = quantize_remaining(targets)
+        return_freed_memory()
         logger.info("quantized the language layers to %s: %.2f GB of linear weights -> %.2f GB", quantization,
                     before / 1e9, after / 1e9)
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
     with use_kernels(kernels):
         for m in quantized:
             m.prepare_quantized()
+            return_freed_memory()  # the layout's temporaries, before the next layer's
     if published:
         logger.info("%s %d-bit checkpoint: %d linear layers run on their quantized weights", published.method,
                     published.bits, len(quantized))
