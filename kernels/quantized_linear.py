@@ -31,8 +31,9 @@ INT4_GROUP = 128
 QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB, reused block after block
 # up to this many rows torch's packed-weight kernels beat dequantizing and a bf16 matmul
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
-PACKED_MAX_ROWS = {"int8": 24, "int4": 128}
+PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 128}
 INT4_GEMV_MAX_ROWS = 32  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win
+FP8_GEMV_MAX_ROWS = 8  # its fp8 kernel (converts the weights again for every 4 rows; measured)
 
 
 @dataclass
@@ -46,7 +47,9 @@ class QuantizedWeight:
     each block of 64 outputs, input-major, outputs j and j + 32 of the block in one byte's
     low and high nibbles), where the scales and zeros are kept as that kernel takes them:
     `scales` [in / group, out, 2] of (scale, zero + 8 * scale), `zeros` None. The group is
-    128 inputs when vlmserve quantizes; a published checkpoint's may be 32 to 256."""
+    128 inputs when vlmserve quantizes; a published checkpoint's may be 32 to 256.
+    fp8 (FP8 checkpoints): `data` float8_e4m3fn [out, in], `scales` fp32 [out, in / group]
+    (each block of 128 x 128 weights' scale, repeated over its rows)."""
 
     method: str
     shape: tuple[int, int]
@@ -120,6 +123,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The [out, in] weight in its dtype."""
     if qw.method == "int8":
         return qw.data.to(qw.dtype) * qw.scales[:, None]
+    if qw.method == "fp8":
+        return (qw.data.float() * qw.scales.repeat_interleave(qw.group, 1)[:, : qw.shape[1]]).to(qw.dtype)
     q = int4_values(qw).view(qw.shape[0], -1, qw.group).to(qw.dtype)
     if qw.layout != "cpu_blocked":
         return (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.shape)
@@ -182,6 +187,10 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype:
         return F.linear(x, _dequantize_to_scratch(qw), bias)
     flat = x.reshape(rows, x.shape[-1])
+    if qw.method == "fp8":
+        if rows <= FP8_GEMV_MAX_ROWS and _fp8_kernels_fit(qw):
+            return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
+        return F.linear(x, _dequantize_to_scratch(qw), bias)
     if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
         return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
     if qw.layout == "gemv" and rows <= INT4_GEMV_MAX_ROWS:
@@ -201,6 +210,10 @@ def _int8_gemv_fits(qw: QuantizedWeight) -> bool:
     return qw.shape[1] % 32 == 0 and own_kernels_available()
 
 
+def _fp8_kernels_fit(qw: QuantizedWeight) -> bool:
+    return qw.group == 128 and qw.shape[1] % 128 == 0 and own_kernels_available()
+
+
 def own_kernels_available() -> bool:
     """vlmserve's compiled CPU kernels, with the AVX512-BF16 (and VNNI) they are built for."""
     return cpu_extension.has_bf16_dot() and cpu_extension.available()
@@ -218,6 +231,11 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
     if buffer is None or buffer.numel() < numel:
         buffer = _scratch[qw.dtype] = torch.empty(numel, dtype=qw.dtype)
     w = buffer[:numel].view(qw.shape)
+    if qw.method == "fp8":
+        if _fp8_kernels_fit(qw):
+            torch.ops.vlmserve_cpu.fp8_dequantize(qw.data.view(torch.uint8), qw.scales, w)
+            return w
+        return w.copy_(dequantize(qw))
     if qw.method == "int8":
         return w.copy_(qw.data).mul_(qw.scales[:, None])
     grouped = w.view(qw.shape[0], -1, qw.group).copy_(int4_values(qw).view(qw.shape[0], -1, qw.group))

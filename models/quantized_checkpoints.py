@@ -4,9 +4,10 @@ and block-wise FP8, from `config.json`'s `quantization_config`.
 Each format's tensors of one linear layer (`<prefix>.qweight`, `.qzeros`, `.scales`, ...)
 are turned into one `<prefix>.weight` entry: a `QuantizedWeight` where the format maps
 exactly onto vlmserve's int4 (values 0-15 with a scale and zero per group of inputs) or
-int8 (one scale per output) weights, else the weight dequantized to the model's dtype —
+int8 (one scale per output) weights, FP8's blocks onto fp8 weights (converted in the
+kernels: no FP8 math on these CPUs), else the weight dequantized to the model's dtype —
 GPTQ 8-bit (zero points per group), GPTQ with `desc_act` (groups that are not runs of
-inputs), FP8 (no FP8 math on these CPUs). Everything else passes through unchanged.
+inputs). Everything else passes through unchanged.
 """
 
 from __future__ import annotations
@@ -201,9 +202,9 @@ def _convert(quant: CheckpointQuantization, parts: dict[str, torch.Tensor], dtyp
         weight = parts["weight"]
         return QuantizedWeight("int8", (weight.shape[0], weight.shape[1]), dtype, weight,
                                parts["weight_scale"].reshape(-1).to(dtype))
-    if quant.method == "fp8":
-        weight, scale = parts["weight"].float(), parts["weight_scale_inv"].float()
+    if quant.method == "fp8":  # kept in 8 bits, each row carrying its blocks' scales
+        weight, scale = parts["weight"], parts["weight_scale_inv"].float()
         rows, cols = quant.block
-        full = scale.repeat_interleave(rows, 0)[: weight.shape[0]].repeat_interleave(cols, 1)[:, : weight.shape[1]]
-        return (weight * full).to(dtype)
+        return QuantizedWeight("fp8", (weight.shape[0], weight.shape[1]), dtype, weight.contiguous(),
+                               scale.repeat_interleave(rows, 0)[: weight.shape[0]].contiguous(), group=cols)
     raise AssertionError(quant.method)

@@ -19,6 +19,7 @@ from vlmserve import LLM, SamplingParams
 from vlmserve.kernels import kernel_table
 from vlmserve.kernels.quantized_linear import (
     METHODS,
+    QuantizedWeight,
     dequantize,
     int4_values,
     own_kernels_available,
@@ -29,7 +30,9 @@ from vlmserve.kernels.quantized_linear import (
     torch_cpu_layout,
 )
 from vlmserve.models.layers import Linear
+from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.testing.checkpoints import build_qwen2_5_vl, build_qwen3_5
+from vlmserve.testing.quantized_checkpoints import fp8_blocks
 from vlmserve.training.shapes import normalize_answer
 from vlmserve.worker.model_loader import load_model
 
@@ -74,6 +77,49 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
     expected = F.linear(x.float(), dequantize(prepared).float(), bias.float())
     assert got.shape == expected.shape
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def fp8_weight(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
+    """w as an FP8 checkpoint holds it (128 x 128 block scales), read by the loader."""
+    fp8, scale = fp8_blocks(w)
+    quant = CheckpointQuantization.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    [(_, qw)] = read_quantized([("layer.weight", fp8), ("layer.weight_scale_inv", scale)], quant, dtype)
+    return qw
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_features", [256, 80])  # 80: a part of a block of rows
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 40])  # vlmserve's fp8 kernel, then dequantized matmuls
+def test_fp8_weights_stay_8_bit_and_compute_the_dequantized_product(dtype, out_features, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(out_features, 384) * torch.logspace(-3, 1, 384)  # blocks of different scales
+    qw = prepare_quantized_weight_cpu(fp8_weight(w, dtype))
+    assert qw.method == "fp8" and qw.data.dtype == torch.float8_e4m3fn and qw.scales.shape == (out_features, 3)
+    bias = torch.randn(out_features, dtype=dtype)
+    x = torch.randn(2, rows, 384, dtype=dtype)
+    got = quantized_linear_cpu(x, qw, bias).float()
+    expected = F.linear(x.float(), dequantize(qw).float(), bias.float())
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    tolerance = 0.01 if dtype == torch.bfloat16 else 1e-5
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.skipif(not own_kernels_available(), reason="vlmserve's CPU kernels (AVX512-BF16) are not built here")
+def test_the_fp8_conversion_is_exact_for_every_code():
+    """All 254 finite e4m3 values (subnormals, zeros, the largest) converted by the C++
+    kernels equal torch's float8 conversion, times each row's scale."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    data = codes.repeat(4, 2)[:, :384].contiguous()  # [4, 384]: three groups a row
+    scales = torch.tensor([[1.0, 2.0, 0.5], [3.0, 1e-3, 1.0], [1.0, 1.0, 1.0], [0.25, 8.0, 1.0]])
+    want = data.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(128, 1)
+    out = torch.empty(4, 384)
+    torch.ops.vlmserve_cpu.fp8_dequantize(data, scales, out)
+    assert torch.equal(out, want)
+    x = torch.zeros(1, 384)
+    for k in (0, 5, 130, 383):  # one input at a time: the GEMV picks out one column exactly
+        x.zero_()
+        x[0, k] = 1.0
+        assert torch.equal(torch.ops.vlmserve_cpu.fp8_gemv(x, data, scales, None)[0], want[:, k])
 
 
 def dequantized_checkpoint(source: str, method: str, dest: Path) -> Path:

@@ -1,6 +1,6 @@
 """Published quantized formats (AWQ, GPTQ 4/8-bit with and without desc_act, block-wise
 FP8, compressed-tensors W4A16 and W8A8): vlmserve's greedy tokens equal transformers' on
-the weights each format stands for; the int4/int8 ones stay quantized in memory; each
+the weights each format stands for; the int4/int8/fp8 ones stay quantized in memory; each
 loads through `serve` for the official openai client; what is not loaded is named."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FORMATS = {
     "gptq-int4": (lambda src, dst: write_gptq(src, dst, bits=4, group=64), True),
     "gptq-int4-desc-act": (lambda src, dst: write_gptq(src, dst, bits=4, group=64, desc_act=True), False),
     "gptq-int8": (lambda src, dst: write_gptq(src, dst, bits=8), False),
-    "fp8-block": (lambda src, dst: write_fp8(src, dst), False),
+    "fp8-block": (lambda src, dst: write_fp8(src, dst), True),
     "compressed-tensors-w4a16": (lambda src, dst: (p := write_compressed_tensors(src, dst, "W4A16"), p), True),
     "compressed-tensors-w8a8": (lambda src, dst: (p := write_compressed_tensors(src, dst, "W8A8"), p), True),
 }
@@ -84,12 +84,14 @@ def test_a_fused_layer_of_quantized_and_plain_parts_loads(tmp_path):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_int4_and_int8_formats_stay_quantized_in_memory(checkpoints, name):
+def test_int4_int8_and_fp8_formats_stay_quantized_in_memory(checkpoints, name):
     model, _ = load_model(checkpoints[name][0], "bfloat16", kernel_table("cpu"))
     language = [m for m in model.model.language_model.modules() if isinstance(m, Linear)]
     stays_quantized = FORMATS[name][1]
     assert all((m.quantized is not None) == stays_quantized for m in language)
     assert all(m.weight.numel() == 0 for m in language if m.quantized is not None)
+    if name.startswith("fp8"):  # one byte a weight
+        assert all(m.quantized.data.dtype == torch.float8_e4m3fn for m in language)
 
 
 def test_serve_loads_each_format_for_the_openai_client(checkpoints):

@@ -29,7 +29,8 @@ from vlmserve.kernels import (  # conftest turned the interpreter on (on the CPU
     triton_gdn,
     triton_quantized_linear,
 )
-from vlmserve.kernels.quantized_linear import dequantize, quantize
+from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize, quantize
+from vlmserve.testing.quantized_checkpoints import fp8_blocks
 from vlmserve.models.layers import mrope_cos_sin, rope_inv_freq
 
 pytestmark = pytest.mark.slow  # the interpreter runs each program in numpy
@@ -262,14 +263,20 @@ def test_token_bitmask():
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("method,group", [("int8", 128), ("int4", 128), ("int4", 64)])
+@pytest.mark.parametrize("method,group", [("int8", 128), ("int4", 128), ("int4", 64), ("fp8", 128)])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_quantized_linear(method, group, rows):
     """Weight tiles dequantized in registers: the product with the dequantized weight, a
-    ragged output width (48) and row count, with and without a bias."""
+    ragged output width (48) and row count, with and without a bias; fp8 as an FP8
+    checkpoint holds it (block scales), with subnormal values among its weights."""
     torch.manual_seed(rows)
     weight, x = torch.randn(48, 256), torch.randn(rows, 256)
-    qw = quantize(weight, method, group)  # 64: a published checkpoint's group size
+    if method == "fp8":
+        weight[:, :8] *= 1e-3  # subnormal in e4m3 after scaling by the block's largest
+        fp8, scale = fp8_blocks(weight)
+        qw = QuantizedWeight("fp8", (48, 256), torch.float32, fp8, scale.repeat_interleave(128, 0)[:48].contiguous())
+    else:
+        qw = quantize(weight, method, group)  # 64: a published checkpoint's group size
     on_gpu = dataclasses.replace(qw, **{f.name: getattr(qw, f.name).to(DEVICE) for f in dataclasses.fields(qw)
                                         if isinstance(getattr(qw, f.name), torch.Tensor)})
     for bias in (None, torch.randn(48)):

@@ -113,6 +113,21 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
     return _save(source, dest, quantized, config), _save(source, Path(f"{dest}-reference"), reference, None)
 
 
+def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [out, in] weight as FP8 checkpoints hold it: float8_e4m3fn values and an fp32
+    scale per block of block x block weights (its largest magnitude / 448)."""
+    out_features, in_features = w.shape
+    rows, cols = -(-out_features // block), -(-in_features // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out_features, :in_features] = w.float()
+    scale = (padded.view(rows, block, cols, block).abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    return (w.float() / _spread(scale, block, w.shape)).to(torch.float8_e4m3fn), scale
+
+
+def _spread(scale: torch.Tensor, block: int, shape: torch.Size) -> torch.Tensor:
+    return scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: shape[0], : shape[1]]
+
+
 def write_fp8(source: str | Path, dest: str | Path, block: int = 128) -> tuple[Path, Path]:
     """Block-wise FP8: weight float8_e4m3fn, weight_scale_inv [ceil(out / b), ceil(in / b)]
     fp32; w = fp8 * scale of its block."""
@@ -122,15 +137,8 @@ def write_fp8(source: str | Path, dest: str | Path, block: int = 128) -> tuple[P
         if not _language_linear(name, w, 1):
             quantized[name] = reference[name] = w
             continue
-        out_features, in_features = w.shape
-        rows, cols = -(-out_features // block), -(-in_features // block)
-        padded = torch.zeros(rows * block, cols * block)
-        padded[:out_features, :in_features] = w.float()
-        blocks = padded.view(rows, block, cols, block)
-        scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_features, :in_features]
-        fp8 = (w.float() / full).to(torch.float8_e4m3fn)
-        reference[name] = (fp8.float() * full).to(w.dtype)
+        fp8, scale = fp8_blocks(w, block)
+        reference[name] = (fp8.float() * _spread(scale, block, w.shape)).to(w.dtype)
         quantized[name], quantized[f"{name}_scale_inv"] = fp8, scale
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
     return _save(source, dest, quantized, config), _save(source, Path(f"{dest}-reference"), reference, None)
