@@ -121,7 +121,8 @@ def quantization_targets(model: nn.Module, method: str, with_head: bool = True) 
 
 
 def quantize_remaining(targets: dict[Linear, str]) -> tuple[int, int]:
-    """Quantizes the targets not quantized while loading (a tied head's copy); returns the targets' weight bytes in full precision and quantized."""
+    """Quantizes the targets not quantized while loading (a tied head's copy); returns the
+    targets' weight bytes in full precision and quantized."""
     before = after = 0
     for module, method in targets.items():
         if module.quantized is None:
