@@ -31,6 +31,14 @@ constexpr int64_t kMaxRows = 4;     // rows of x per call (more: a matmul is the
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
 
+// The fp32 products [M, N] plus the bias, in x's dtype and shape (its last size N).
+at::Tensor with_bias_in_shape(at::Tensor& acc, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = acc.size(1);
+  return acc.to(x.scalar_type()).view(shape);
+}
+
 bool supported(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__AVX512BF16__)
   return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
@@ -95,10 +103,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
     }
   });
 #endif
-  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return acc.to(at::kBFloat16).view(shape);
+  return with_bias_in_shape(acc, x, bias);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -279,10 +284,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 #else
   TORCH_CHECK(false, "int8_gemv: built without AVX512-BF16 and AVX512-VNNI");
 #endif
-  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return acc.to(x.scalar_type()).view(shape);
+  return with_bias_in_shape(acc, x, bias);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -376,10 +378,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 and AVX512-VNNI");
 #endif
-  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return acc.to(x.scalar_type()).view(shape);
+  return with_bias_in_shape(acc, x, bias);
 }
 
 #if defined(__AVX512BF16__)
@@ -486,10 +485,7 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
 #else
   TORCH_CHECK(false, "fp8_gemv: built without AVX-512");
 #endif
-  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  return acc.to(x.scalar_type()).view(shape);
+  return with_bias_in_shape(acc, x, bias);
 }
 
 // The fp8 weight dequantized into out ([N, K], bf16 or fp32): for the matmul of a prompt
