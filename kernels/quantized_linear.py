@@ -31,9 +31,9 @@ INT4_GROUP = 128
 QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB, reused block after block
 # up to this many rows torch's packed-weight kernels beat dequantizing and a bf16 matmul
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
-PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 128}
+# (fp8: vlmserve's kernel, which converts the weights again for every 4 rows)
+PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
 INT4_GEMV_MAX_ROWS = 32  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win
-FP8_GEMV_MAX_ROWS = 8  # its fp8 kernel (converts the weights again for every 4 rows; measured)
 
 
 @dataclass
@@ -187,10 +187,8 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype:
         return F.linear(x, _dequantize_to_scratch(qw), bias)
     flat = x.reshape(rows, x.shape[-1])
-    if qw.method == "fp8":
-        if rows <= FP8_GEMV_MAX_ROWS and _fp8_kernels_fit(qw):
-            return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
-        return F.linear(x, _dequantize_to_scratch(qw), bias)
+    if qw.method == "fp8" and _fp8_kernels_fit(qw):
+        return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
     if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
         return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
     if qw.layout == "gemv" and rows <= INT4_GEMV_MAX_ROWS:

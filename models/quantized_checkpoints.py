@@ -205,6 +205,10 @@ def _convert(quant: CheckpointQuantization, parts: dict[str, torch.Tensor], dtyp
     if quant.method == "fp8":  # kept in 8 bits, each row carrying its blocks' scales
         weight, scale = parts["weight"], parts["weight_scale_inv"].float()
         rows, cols = quant.block
+        blocks = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+        if tuple(scale.shape) != blocks:  # caught here, not as a kernel error at the first request
+            raise ValueError(f"{prefix}.weight_scale_inv: shape {tuple(scale.shape)}, but a weight of "
+                             f"{tuple(weight.shape)} in blocks of {rows}x{cols} has {blocks}")
         return QuantizedWeight("fp8", (weight.shape[0], weight.shape[1]), dtype, weight.contiguous(),
                                scale.repeat_interleave(rows, 0)[: weight.shape[0]].contiguous(), group=cols)
     raise AssertionError(quant.method)

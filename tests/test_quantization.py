@@ -104,6 +104,13 @@ def test_fp8_weights_stay_8_bit_and_compute_the_dequantized_product(dtype, out_f
     assert (got - expected).abs().max() <= tolerance * expected.abs().max()
 
 
+def test_fp8_block_scales_of_the_wrong_shape_are_refused_at_load():
+    fp8, scale = fp8_blocks(torch.randn(256, 384))
+    quant = CheckpointQuantization.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match=r"layer.weight_scale_inv: shape \(2, 2\).*has \(2, 3\)"):
+        list(read_quantized([("layer.weight", fp8), ("layer.weight_scale_inv", scale[:, :2])], quant, torch.float32))
+
+
 @pytest.mark.skipif(not own_kernels_available(), reason="vlmserve's CPU kernels (AVX512-BF16) are not built here")
 def test_the_fp8_conversion_is_exact_for_every_code():
     """All 254 finite e4m3 values (subnormals, zeros, the largest) converted by the C++
