@@ -34,6 +34,7 @@ QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB
 # (fp8: vlmserve's kernel, which converts the weights again for every 4 rows)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
 INT4_GEMV_MAX_ROWS = 32  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win
+GEMV_TILE = 16  # weight rows per tile in vlmserve's int4 layout (one a 32-bit lane of AVX-512)
 
 
 @dataclass
@@ -41,9 +42,10 @@ class QuantizedWeight:
     """A [out, in] weight, quantized. int8: `data` int8 [out, in], `scales` [out].
     int4: `scales` and `zeros` [out, in / group], w = q * scale + zero, and `data` the
     values two to a byte in one of three layouts: "plain", [out, in / 2] with input 2j in the
-    low nibble and 2j + 1 in the high one; "gemv", vlmserve's CPU kernel's, [out, in / 2]
-    with each group of 128 inputs in 64 bytes, input j in the low nibble and 64 + j in the
-    high one (scales and zeros as plain's); or "cpu_blocked", torch's CPU kernel's (for
+    low nibble and 2j + 1 in the high one; "gemv", vlmserve's CPU kernel's, in tiles of 16
+    rows: for each tile and group of 128 inputs 16 vectors of 64 bytes, vector v holding
+    in its 4-byte lane r row r's inputs 4v..4v+3 (low nibbles) and 64+4v..64+4v+3 (high),
+    `scales` and `zeros` [out / 16, in / 128, 16]; or "cpu_blocked", torch's CPU kernel's (for
     each block of 64 outputs, input-major, outputs j and j + 32 of the block in one byte's
     low and high nibbles), where the scales and zeros are kept as that kernel takes them:
     `scales` [in / group, out, 2] of (scale, zero + 8 * scale), `zeros` None. The group is
@@ -112,9 +114,9 @@ def int4_values(qw: QuantizedWeight) -> torch.Tensor:
     out_features, in_features = qw.shape
     if qw.layout == "plain":
         return torch.stack((qw.data & 15, qw.data >> 4), dim=-1).view(qw.shape)
-    if qw.layout == "gemv":
-        groups = qw.data.view(out_features, -1, 64)
-        return torch.stack((groups & 15, groups >> 4), dim=-2).view(qw.shape)
+    if qw.layout == "gemv":  # [tile, group, v, r, byte] -> [tile, r, group, nibble, v, byte]
+        tiles = qw.data.view(out_features // GEMV_TILE, -1, 16, GEMV_TILE, 4)
+        return torch.stack((tiles & 15, tiles >> 4), dim=1).permute(0, 4, 2, 1, 3, 5).reshape(qw.shape)
     blocks = qw.data.view(out_features // 64, in_features, 32)
     return torch.stack((blocks & 15, blocks >> 4), dim=1).permute(0, 1, 3, 2).reshape(qw.shape)
 
@@ -126,7 +128,10 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     if qw.method == "fp8":
         return (qw.data.float() * qw.scales.repeat_interleave(qw.group, 1)[:, : qw.shape[1]]).to(qw.dtype)
     q = int4_values(qw).view(qw.shape[0], -1, qw.group).to(qw.dtype)
-    if qw.layout != "cpu_blocked":
+    if qw.layout == "gemv":
+        scales, zeros = (_untiled(t) for t in (qw.scales, qw.zeros))
+        return (q * scales[..., None] + zeros[..., None]).view(qw.shape)
+    if qw.layout == "plain":
         return (q * qw.scales[..., None] + qw.zeros[..., None]).view(qw.shape)
     scale, zero = qw.scales[..., 0].t(), qw.scales[..., 1].t()  # [out, groups]
     return ((q - 8) * scale[..., None] + zero[..., None]).view(qw.shape)
@@ -143,17 +148,24 @@ def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
     torch's (its blocks are 64 outputs: other widths stay plain and run dequantized)."""
     if qw.method != "int4" or qw.dtype != torch.bfloat16:
         return qw
-    if qw.group == INT4_GROUP and own_kernels_available():
+    if qw.group == INT4_GROUP and qw.shape[0] % GEMV_TILE == 0 and own_kernels_available():
         return gemv_layout(qw)
     return torch_cpu_layout(qw) if qw.shape[0] % 64 == 0 else qw
 
 
 def gemv_layout(qw: QuantizedWeight) -> QuantizedWeight:
-    """A plain int4 weight (groups of 128) in vlmserve's CPU kernel's layout."""
-    values = int4_values(qw).view(qw.shape[0], -1, 2, 64)
-    data = (values[:, :, 0] | (values[:, :, 1] << 4)).view(qw.shape[0], -1)
-    return QuantizedWeight(qw.method, qw.shape, qw.dtype, data, qw.scales.contiguous(), qw.zeros.contiguous(),
-                           "gemv", qw.group)
+    """A plain int4 weight (groups of 128, rows a multiple of 16) in vlmserve's CPU
+    kernel's tiled layout."""
+    tiles = int4_values(qw).view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1, 2, 16, 4)  # [tile, r, group, nibble, v, byte]
+    packed = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, v, r, byte]
+    tiled = lambda t: t.view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1).transpose(1, 2).contiguous()  # noqa: E731
+    return QuantizedWeight(qw.method, qw.shape, qw.dtype, packed.reshape(qw.shape[0], -1).contiguous(),
+                           tiled(qw.scales), tiled(qw.zeros), "gemv", qw.group)
+
+
+def _untiled(t: torch.Tensor) -> torch.Tensor:
+    """[out / 16, groups, 16] scales or zeros of the "gemv" layout as [out, groups]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
 
 
 def torch_cpu_layout(qw: QuantizedWeight) -> QuantizedWeight:
@@ -236,6 +248,9 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
         return w.copy_(dequantize(qw))
     if qw.method == "int8":
         return w.copy_(qw.data).mul_(qw.scales[:, None])
+    if qw.layout == "gemv":
+        torch.ops.vlmserve_cpu.int4_dequantize(qw.data, qw.scales, qw.zeros, w)
+        return w
     grouped = w.view(qw.shape[0], -1, qw.group).copy_(int4_values(qw).view(qw.shape[0], -1, qw.group))
     if qw.layout != "cpu_blocked":
         return grouped.mul_(qw.scales[..., None]).add_(qw.zeros[..., None]).view(qw.shape)

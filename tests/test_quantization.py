@@ -79,6 +79,26 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+@pytest.mark.skipif(not own_kernels_available(), reason="vlmserve's CPU kernels (AVX512-VNNI) are not built here")
+def test_int4_tiles_hold_each_row_and_dequantize_exactly():
+    """The kernel's tiled layout (16 rows a tile) keeps every value, scale and zero point of
+    its row: its C++ dequantization equals the plain weight's (fp32, up to one rounding)."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 384, dtype=torch.bfloat16) * torch.linspace(0.1, 3, 48, dtype=torch.bfloat16)[:, None]
+    plain = quantize(w, "int4")
+    tiled = prepare_quantized_weight_cpu(plain)
+    assert tiled.layout == "gemv" and tiled.scales.shape == (3, 3, 16) and tiled.nbytes == plain.nbytes
+    assert torch.equal(int4_values(tiled), int4_values(plain))
+    out = torch.empty(48, 384)
+    torch.ops.vlmserve_cpu.int4_dequantize(tiled.data, tiled.scales, tiled.zeros, out)
+    expected = int4_values(plain).float().view(48, 3, 128) * plain.scales.float()[..., None] + plain.zeros.float()[..., None]
+    torch.testing.assert_close(out, expected.view(48, 384), atol=1e-5, rtol=1e-6)
+    x = torch.zeros(1, 384, dtype=torch.bfloat16)
+    x[0, 200] = 1.0  # one input: the GEMV picks out (nearly: x is quantized to 8 bits) that column
+    got = torch.ops.vlmserve_cpu.int4_gemv(x, tiled.data, tiled.scales, tiled.zeros, None).float()[0]
+    torch.testing.assert_close(got, expected.view(48, 384)[:, 200].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
+
+
 def fp8_weight(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     """w as an FP8 checkpoint holds it (128 x 128 block scales), read by the loader."""
     fp8, scale = fp8_blocks(w)

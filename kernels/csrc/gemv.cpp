@@ -288,74 +288,99 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+constexpr int64_t kTile = 16;        // weight rows per tile: one a 32-bit lane
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // a tile's group: 16 vectors of 64 bytes
 
-// out[m][n] for B weight rows from n and M rows of x from row r of the quantized x:
-// sum over groups g of scale[n][g] * x_scale[m][g] * sum_k q[n][k] * xq[m][k] + zero[n][g] * x_sum[m][g].
-// A group's 64 bytes hold inputs j (low nibble) and 64 + j (high nibble).
-template <int M, int B>
-inline void int4_gemv_rows(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w,
-                           const uint16_t* scales, const uint16_t* zeros, int64_t K, int64_t N, int64_t r,
-                           int64_t n, float* out) {
-  const int64_t G = K / kGroup;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  __m512 acc[M][B];
-  float zero_terms[M][B] = {};
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < B; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i x_low[M], x_high[M];
-    for (int m = 0; m < M; ++m) {
-      x_low[m] = _mm512_loadu_si512(xq + (r + m) * K + g * kGroup);
-      x_high[m] = _mm512_loadu_si512(xq + (r + m) * K + g * kGroup + 64);
-    }
-    for (int j = 0; j < B; ++j) {
-      const __m512i packed = _mm512_loadu_si512(w + (n + j) * (K / 2) + g * 64);
-      const __m512i low = _mm512_and_si512(packed, low_nibbles);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-      const float scale = bf16_to_float(scales[(n + j) * G + g]), zero = bf16_to_float(zeros[(n + j) * G + g]);
-      for (int m = 0; m < M; ++m) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, x_low[m]);
-        dot = _mm512_dpbusd_epi32(dot, high, x_high[m]);
-        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale * xs[(r + m) * G + g]), acc[m][j]);
-        zero_terms[m][j] += zero * xsum[(r + m) * G + g];
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < B; ++j) out[(r + m) * N + n + j] = _mm512_reduce_add_ps(acc[m][j]) + zero_terms[m][j];
+// 16 bf16 at p to fp32
+inline __m512 bf16x16_to_fp32(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Weight rows [n0, n1) for every row of x: kBand weight rows at a time, all tiles of x
-// over them while they sit in L1, so the weight streams from memory once.
-template <int B>
-void int4_gemv_step(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, const uint16_t* scales,
-                    const uint16_t* zeros, int64_t K, int64_t N, int64_t rows, int64_t n, float* out) {
+// The tiled layout: weight rows in tiles of 16, a tile's groups of 128 inputs one after
+// another, each 16 vectors of 64 bytes; vector v holds in lane r (4 bytes) row r's inputs
+// 4v..4v+3 (low nibbles) and 64+4v..64+4v+3 (high nibbles). So one dpbusd multiplies 16
+// rows by the same 4 inputs of x (broadcast), the sums stay one a lane (no horizontal
+// reduction), and a tile's 16 scales and zero points are one load each ([N/16, G, 16]).
+//
+// out[m][16t..16t+15] for M rows of x from row r: sum over groups g of
+// scale[n][g] * x_scale[m][g] * sum_k q[n][k] * xq[m][k] + zero[n][g] * x_sum[m][g].
+template <int M>
+inline void int4_tile_rows(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w,
+                           const uint16_t* scales, const uint16_t* zeros, int64_t K, int64_t N, int64_t r,
+                           int64_t t, float* out) {
+  const int64_t G = K / kGroup;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const uint8_t* tile = w + t * G * kTileGroupBytes;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = tile + g * kTileGroupBytes;
+    // four independent chains of dot products a row (even/odd vector, low/high nibbles):
+    // one chain would wait on dpbusd's latency
+    __m512i dot[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < 4; ++c) dot[m][c] = _mm512_setzero_si512();
+    for (int v = 0; v < 16; v += 2) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512i packed = _mm512_loadu_si512(wg + (v + u) * 64);
+        const __m512i low = _mm512_and_si512(packed, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
+          dot[m][2 * u] = _mm512_dpbusd_epi32(dot[m][2 * u], low, _mm512_set1_epi32(xm[v + u]));
+          dot[m][2 * u + 1] = _mm512_dpbusd_epi32(dot[m][2 * u + 1], high, _mm512_set1_epi32(xm[16 + v + u]));
+        }
+      }
+    }
+    const __m512 scale = bf16x16_to_fp32(scales + (t * G + g) * kTile);
+    const __m512 zero = bf16x16_to_fp32(zeros + (t * G + g) * kTile);
+    for (int m = 0; m < M; ++m) {
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(xs[(r + m) * G + g])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[(r + m) * G + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (r + m) * N + t * kTile, acc[m]);
+}
+
+// Tile t for every row of x, kRowTile rows at a time (the tile stays in L2 meanwhile, so
+// the weight streams from memory once).
+void int4_tile(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, const uint16_t* scales,
+               const uint16_t* zeros, int64_t K, int64_t N, int64_t rows, int64_t t, float* out) {
   int64_t r = 0;
-  for (; r + kRowTile <= rows; r += kRowTile) int4_gemv_rows<kRowTile, B>(xq, xs, xsum, w, scales, zeros, K, N, r, n, out);
+  for (; r + kRowTile <= rows; r += kRowTile) int4_tile_rows<kRowTile>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out);
   switch (rows - r) {
-    case 1: int4_gemv_rows<1, B>(xq, xs, xsum, w, scales, zeros, K, N, r, n, out); break;
-    case 2: int4_gemv_rows<2, B>(xq, xs, xsum, w, scales, zeros, K, N, r, n, out); break;
-    case 3: int4_gemv_rows<3, B>(xq, xs, xsum, w, scales, zeros, K, N, r, n, out); break;
+    case 1: int4_tile_rows<1>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
+    case 2: int4_tile_rows<2>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
+    case 3: int4_tile_rows<3>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
     default: break;
   }
 }
 #endif
 
+bool int4_args_ok(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros) {
+  const int64_t N = weight.size(0), K = weight.size(1) * 2;
+  return weight.scalar_type() == at::kByte && weight.is_contiguous() && K % 128 == 0 && N % 16 == 0 &&
+         scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+         zeros.is_contiguous() && scales.numel() == N * (K / 128) && zeros.numel() == N * (K / 128);
+}
+
+constexpr const char* kInt4Layout =
+    "a contiguous uint8 weight [N, K / 2] in the tiled layout with N a multiple of 16 and K of 128, bf16 "
+    "scales and zeros [N / 16, K / 128, 16]";
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const at::Tensor& zeros, const c10::optional<at::Tensor>& bias) {
   const int64_t N = weight.size(0), K = weight.size(1) * 2;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && K % 128 == 0 && x.size(-1) == K &&
-              scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-              scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * (K / 128) &&
-              zeros.numel() == N * (K / 128),
-              "int4_gemv: a contiguous uint8 weight [N, K / 2] with K a multiple of 128, bf16 scales and zeros "
-              "[N, K / 128]");
+  TORCH_CHECK(int4_args_ok(weight, scales, zeros) && x.size(-1) == K, "int4_gemv: ", kInt4Layout);
   const int64_t M = x.numel() / K;
   at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -370,15 +395,62 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + kBand <= n1; n += kBand) int4_gemv_step<kBand>(xp, xs, xsum, wp, sp, zp, K, N, M, n, op);
-    for (; n < n1; ++n) int4_gemv_step<1>(xp, xs, xsum, wp, sp, zp, K, N, M, n, op);
+  at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) int4_tile(xp, xs, xsum, wp, sp, zp, K, N, M, t, op);
   });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 and AVX512-VNNI");
 #endif
   return with_bias_in_shape(acc, x, bias);
+}
+
+// The tiled int4 weight dequantized into out ([N, K], bf16 or fp32): for the matmul of a
+// prompt chunk. Row r of a tile's group is lane r of its 16 vectors, gathered.
+void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros, at::Tensor& out) {
+  const int64_t N = weight.size(0), K = weight.size(1) * 2;
+  TORCH_CHECK(int4_args_ok(weight, scales, zeros) && out.is_contiguous() && out.size(0) == N && out.size(1) == K &&
+              (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "int4_dequantize: ", kInt4Layout, ", a contiguous bf16 or fp32 out [N, K]");
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  const int64_t G = K / kGroup;
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  void* op = out.data_ptr();
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(kTile));  // dword v * 16 of each vector
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* wg = wp + (t * G + g) * kTileGroupBytes;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const int64_t n = t * kTile + r;
+          const float scale = bf16_to_float(sp[(t * G + g) * kTile + r]);
+          const float zero = bf16_to_float(zp[(t * G + g) * kTile + r]);
+          // row r's 64 bytes: inputs 0..63 in the low nibbles, 64..127 in the high ones
+          const __m512i packed = _mm512_i32gather_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(r)), wg, 4);
+          alignas(64) uint8_t values[kGroup];
+          _mm512_store_si512(values, _mm512_and_si512(packed, low_nibbles));
+          _mm512_store_si512(values + 64, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles));
+          for (int64_t i = 0; i < kGroup; i += 16) {
+            const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(values + i));
+            const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)),
+                                                 _mm512_set1_ps(scale), _mm512_set1_ps(zero));
+            const int64_t k = g * kGroup + i;
+            if (bf16)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(op) + n * K + k),
+                                  (__m256i)_mm512_cvtneps_pbh(value));
+            else
+              _mm512_storeu_ps(static_cast<float*>(op) + n * K + k, value);
+          }
+        }
+      }
+  });
+#else
+  TORCH_CHECK(false, "int4_dequantize: built without AVX512-BF16 and AVX512-VNNI");
+#endif
 }
 
 #if defined(__AVX512BF16__)
@@ -530,6 +602,7 @@ TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scales, Tensor zeros, Tensor? bias) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor zeros, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
@@ -538,4 +611,5 @@ TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("fp8_dequantize", &fp8_dequantize);
+  m.impl("int4_dequantize", &int4_dequantize);
 }
