@@ -40,6 +40,8 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_spec_decode.py": (["--requests", "2", "--streams", "1,2", "--repeats", "1", "--drafts", "2",
                               "--disable-by-batch-size", "1", "--draft-layers", "0,1"],
                              r"\| plain \| 2 \| draft model \(layers 0,1\) k=3 \|"),
+    "bench_quantized_kernels.py": (["--rows", "1", "--stream-mb", "1", "--repeats", "1"],
+                                   r"2560 x 2048 \(q/k/v\)[^\n]*\n.*\n(.*\n){6}fp8 GEMV +[0-9.]+ \([0-9]+\)"),
 }
 
 

@@ -1,0 +1,111 @@
+"""The CPU matmul kernels of a decode step, alone: vlmserve's bf16, int8, int4 and fp8
+GEMVs (up to the rows the engine gives each), torch's packed int8/int4 kernels and a
+bf16 matmul, on the weights of Qwen2.5-VL-3B's layers, at a few rows of x. Each timed
+pass goes over copies of the weight that add up to more than the L3 cache holds, so they
+stream from memory as in a decode step;
+each kernel's speed is printed in milliseconds per weight and in GB/s of its own bytes,
+beside the machine's measured read bandwidth.
+
+    python benchmarks/bench_quantized_kernels.py [--rows 1,4,16,32] [--stream-mb 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common import cpu_flags, machine_limits
+from vlmserve.kernels.linear import GEMV_MAX_ROWS
+from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, QuantizedWeight, prepare_quantized_weight_cpu, quantize,
+                                               torch_cpu_layout)
+from vlmserve.testing.quantized_checkpoints import fp8_blocks
+
+SHAPES = {"22016 x 2048 (gate/up)": (22016, 2048), "2048 x 11008 (down)": (2048, 11008),
+          "2560 x 2048 (q/k/v)": (2560, 2048)}
+
+
+def fp8_weight(w: torch.Tensor) -> QuantizedWeight:
+    """w as an FP8 checkpoint's weight, held as the loader holds it (a scale per 128 x 128 block, per row)."""
+    data, block_scales = fp8_blocks(w)
+    scales = block_scales.repeat_interleave(128, 0)[: w.shape[0]].contiguous()
+    return QuantizedWeight("fp8", tuple(w.shape), torch.bfloat16, data, scales, group=128)
+
+
+Kernel = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], int]
+
+
+def kernels(w: torch.Tensor) -> dict[str, Kernel]:
+    """Each kernel as a function of x and its weight's tensors, those tensors, and the most
+    rows of x the engine gives it."""
+    ops = torch.ops.vlmserve_cpu
+    int8 = quantize(w, "int8")
+    int4 = prepare_quantized_weight_cpu(quantize(w, "int4"))
+    torch_int4 = torch_cpu_layout(quantize(w, "int4"))
+    fp8 = fp8_weight(w)
+    many = 1 << 20
+    return {
+        "bf16 GEMV": (lambda x, w: ops.bf16_gemv(x, w, None), (w,), GEMV_MAX_ROWS),
+        "bf16 matmul": (lambda x, w: F.linear(x, w), (w,), many),
+        "int8 GEMV": (lambda x, q, s: ops.int8_gemv(x, q, s, None), (int8.data, int8.scales), GEMV_MAX_ROWS),
+        "int8 torch": (torch.ops.aten._weight_int8pack_mm, (int8.data, int8.scales), many),
+        "int4 GEMV": (lambda x, q, s, z: ops.int4_gemv(x, q, s, z, None), (int4.data, int4.scales, int4.zeros), many),
+        "int4 torch": (lambda x, q, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, 128, s),
+                       (torch_int4.data, torch_int4.scales), many),
+        "fp8 GEMV": (lambda x, q, s: ops.fp8_gemv(x, q, s, None), (fp8.data.view(torch.uint8), fp8.scales),
+                     PACKED_MAX_ROWS["fp8"]),
+    }
+
+
+def time_kernel(kernel: Kernel, rows: int, in_features: int, stream_bytes: float, repeats: int) -> str:
+    """ms per weight (GB/s of its bytes), over copies of the weight that add up to
+    stream_bytes: more than the L3 cache, so each call reads its weight from memory."""
+    fn, tensors, most_rows = kernel
+    if rows > most_rows:
+        return "-"
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    copies = [tuple(t.clone() for t in tensors) for _ in range(max(2, math.ceil(stream_bytes / nbytes)))]
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    for c in copies:
+        fn(x, *c)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for c in copies:
+            fn(x, *c)
+        times.append((time.perf_counter() - t) / len(copies))
+    seconds = statistics.median(times)
+    return f"{seconds * 1e3:.3f} ({nbytes / seconds / 1e9:.0f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,16,32", help="rows of x (tokens in the step)")
+    ap.add_argument("--stream-mb", type=float, default=1024, help="bytes of weights per timed pass (above the L3)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from vlmserve.kernels.quantized_linear import own_kernels_available
+
+    if not own_kernels_available():
+        raise SystemExit("vlmserve's CPU kernels are not built on this machine (they need AVX512-BF16 and VNNI)")
+    limits = machine_limits(args.threads)
+    print(f"CPU: {cpu_flags()}; {args.threads} threads; machine read {limits['read_gbs']:.1f} GB/s")
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    for label, shape in SHAPES.items():
+        table = kernels(torch.randn(shape, dtype=torch.bfloat16) * 0.02)
+        print(f"\n{label}: ms per weight (GB/s of the kernel's bytes), median of {args.repeats}")
+        print(f"{'kernel':<14}" + "".join(f"{f'{r} rows':>18}" for r in rows))
+        for name, kernel in table.items():
+            cells = [time_kernel(kernel, r, shape[1], args.stream_mb * 1e6, args.repeats) for r in rows]
+            print(f"{name:<14}" + "".join(f"{c:>18}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
