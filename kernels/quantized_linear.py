@@ -6,9 +6,10 @@ Decoding reads every weight once per step, so 8-bit weights read half the bytes 
 and 4-bit ones a quarter. On the CPU one to four int8 rows (decoding) run on vlmserve's
 own kernel (csrc/gemv.cpp: integer dot products by AVX512-VNNI, 1.5-2.6x a bf16 one at
 3B widths), a few more on torch's packed-weight kernel (`_weight_int8pack_mm`); int4 up
-to 32 rows on vlmserve's own (x quantized to int8 per group, nibbles times int8 by
-AVX512-VNNI: 1.5-2x torch's `_weight_int4pack_mm_for_cpu`, which stays for CPUs without
-the extension); many rows (a prefill) are bound by compute, where those kernels are
+to 64 rows on vlmserve's own (x quantized to int8 per group, nibbles times int8 by
+AVX512-VNNI, in a layout of 16-row tiles: at one row it streams the weight at the
+machine's bandwidth, 1.2-2.3x torch's `_weight_int4pack_mm_for_cpu`, which stays for
+CPUs without the extension, and 3-4x at 16-32 rows); many rows (a prefill) are bound by compute, where those kernels are
 several times slower than a bf16 matmul (measured, docs/quantization.md), so the weight
 is dequantized on the fly and multiplied in the activations' dtype.
 """
@@ -33,7 +34,7 @@ QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
 # (fp8: vlmserve's kernel, which converts the weights again for every 4 rows)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
-INT4_GEMV_MAX_ROWS = 32  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win
+INT4_GEMV_MAX_ROWS = 64  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win (measured)
 GEMV_TILE = 16  # weight rows per tile in vlmserve's int4 layout (one a 32-bit lane of AVX-512)
 
 
