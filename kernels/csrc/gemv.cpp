@@ -113,31 +113,34 @@ constexpr int64_t kRowTile = 4;   // rows of x per pass over a band's weights (k
 // core reading well below its share of the bandwidth while it also computes)
 constexpr int64_t kRowPrefetchBytes = 1024;
 
-// x [M, K] fp32 to int8 per group of 128 (scale = max |x| / 127, so no value is -128: the
+// 16 bf16 at p to fp32
+inline __m512 bf16x16_to_fp32(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_fp32(reinterpret_cast<const uint16_t*>(p)); }
+
+// x [M, K] to int8 per group of 128 (scale = max |x| / 127, so no value is -128: the
 // int8 kernel may negate any), each group's scale, and the sum of its quantized values
-// times that scale.
+// times that scale. bf16 x is read as it is (its conversion to fp32 is exact), so a
+// decode step's layers make no fp32 copy of their input.
 struct QuantizedRows {
   at::Tensor values, scales, sums;
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  const int64_t G = K / kGroup;
-  QuantizedRows q{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, G}, xf.options()),
-                  at::empty({M, G}, xf.options())};
-  const float* src = xf.data_ptr<float>();
-  int8_t* values = q.values.data_ptr<int8_t>();
-  float* scales = q.scales.data_ptr<float>();
-  float* sums = q.sums.data_ptr<float>();
-  for (int64_t i = 0; i < M * G; ++i) {
-    const float* group = src + i * kGroup;
+template <typename T>
+void quantize_groups(const T* src, int64_t groups, int8_t* values, float* scales, float* sums) {
+  for (int64_t i = 0; i < groups; ++i) {
+    const T* group = src + i * kGroup;
     __m512 top = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kGroup; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(group + k)));
+    for (int64_t k = 0; k < kGroup; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(group + k)));
     const float scale = std::max(_mm512_reduce_max_ps(top) / 127.0f, 1e-30f);
     const __m512 inverse = _mm512_set1_ps(1.0f / scale);
     __m512i total = _mm512_setzero_si512();
     for (int64_t k = 0; k < kGroup; k += 16) {
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(group + k), inverse),
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(load16(group + k), inverse),
                                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       total = _mm512_add_epi32(total, rounded);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(values + i * kGroup + k), _mm512_cvtsepi32_epi8(rounded));
@@ -145,6 +148,22 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
     scales[i] = scale;
     sums[i] = static_cast<float>(_mm512_reduce_add_epi32(total)) * scale;
   }
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
+  const at::Tensor rows = x.reshape({M, K});
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
+  const at::Tensor src = (bf16 ? rows : rows.to(at::kFloat)).contiguous();
+  const int64_t G = K / kGroup;
+  const auto fp32 = x.options().dtype(at::kFloat);
+  QuantizedRows q{at::empty({M, K}, x.options().dtype(at::kChar)), at::empty({M, G}, fp32), at::empty({M, G}, fp32)};
+  int8_t* values = q.values.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* sums = q.sums.data_ptr<float>();
+  if (bf16)
+    quantize_groups(src.data_ptr<at::BFloat16>(), M * G, values, scales, sums);
+  else
+    quantize_groups(src.data_ptr<float>(), M * G, values, scales, sums);
   return q;
 }
 
@@ -303,12 +322,6 @@ inline float bf16_to_float(uint16_t v) {
 }
 constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // a tile's group: 16 vectors of 64 bytes
 constexpr int64_t kPrefetchBytes = 8 * kTileGroupBytes;
-
-// 16 bf16 at p to fp32
-inline __m512 bf16x16_to_fp32(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 // The tiled layout: weight rows in tiles of 16, a tile's groups of 128 inputs one after
 // another, each 16 vectors of 64 bytes; vector v holds in lane r (4 bytes) row r's inputs
