@@ -9,9 +9,10 @@ own kernel (csrc/gemv.cpp: integer dot products by AVX512-VNNI, 1.5-2.6x a bf16 
 to 64 rows on vlmserve's own (x quantized to int8 per group, nibbles times int8 by
 AVX512-VNNI, in a layout of 16-row tiles: at one row it streams the weight at the
 machine's bandwidth, 1.2-2.3x torch's `_weight_int4pack_mm_for_cpu`, which stays for
-CPUs without the extension, and 3-4x at 16-32 rows); many rows (a prefill) are bound by compute, where those kernels are
-several times slower than a bf16 matmul (measured, docs/quantization.md), so the weight
-is dequantized on the fly and multiplied in the activations' dtype.
+CPUs without the extension, and 3-4x at 16-32 rows); many rows (a prefill) are bound by
+compute, where those kernels are several times slower than a bf16 matmul (measured,
+docs/quantization.md), so the weight is dequantized on the fly and multiplied in the
+activations' dtype.
 """
 
 from __future__ import annotations

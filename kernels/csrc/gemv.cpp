@@ -8,9 +8,9 @@
 // per group of 128, 64 products an instruction; fp32 x to int16 per row, 32 an instruction,
 // to stay as exact as fp32 parity needs), the scales applied to each sum.
 // int4_gemv does it for a 4-bit weight with a scale and zero point per group of 128 inputs
-// (--quantization int4, AWQ, GPTQ): a quarter of the bytes, each group's 64 bytes split into
-// two vectors of nibbles and multiplied with x quantized to int8 per group by dpbusd (64
-// products an instruction), each group's sum scaled into an fp32 accumulator.
+// (--quantization int4, AWQ, GPTQ): a quarter of the bytes, in tiles of 16 weight rows (one
+// a 32-bit lane), multiplied with x quantized to int8 per group by dpbusd (64 products an
+// instruction, 16 rows at once), each group's sums scaled into fp32 accumulators.
 // fp8_gemv does it for an FP8 (e4m3) checkpoint's weight with 128 x 128 block scales: one
 // byte a value, converted to fp32 in registers (no FP8 math on these CPUs).
 
