@@ -24,6 +24,7 @@ from common import cpu_flags, machine_limits
 from vlmserve.kernels.linear import GEMV_MAX_ROWS
 from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, QuantizedWeight, prepare_quantized_weight_cpu, quantize,
                                                torch_cpu_layout)
+from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.testing.quantized_checkpoints import fp8_blocks
 
 SHAPES = {"22016 x 2048 (gate/up)": (22016, 2048), "2048 x 11008 (down)": (2048, 11008),
@@ -31,10 +32,11 @@ SHAPES = {"22016 x 2048 (gate/up)": (22016, 2048), "2048 x 11008 (down)": (2048,
 
 
 def fp8_weight(w: torch.Tensor) -> QuantizedWeight:
-    """w as an FP8 checkpoint's weight, held as the loader holds it (a scale per 128 x 128 block, per row)."""
+    """w as a block-wise FP8 checkpoint holds it, read by vlmserve's loader."""
     data, block_scales = fp8_blocks(w)
-    scales = block_scales.repeat_interleave(128, 0)[: w.shape[0]].contiguous()
-    return QuantizedWeight("fp8", tuple(w.shape), torch.bfloat16, data, scales, group=128)
+    quant = CheckpointQuantization.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    [(_, qw)] = read_quantized([("layer.weight", data), ("layer.weight_scale_inv", block_scales)], quant, torch.bfloat16)
+    return qw
 
 
 Kernel = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], int]
