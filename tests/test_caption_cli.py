@@ -126,7 +126,7 @@ def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *ext
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and all(line.endswith("}") for line in lines)
     result = caption(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra, "--resume")
-    assert not shard_dir(out).exists()  # merged into the output
+    assert not shard_dir(out).exists(), result.stderr  # merged into the output
     rows = rows_of(out)  # every line whole: a torn one was cut off before appending
     paths = [r["path"] for r in rows]
     assert len(paths) == len(set(paths)) == 50  # each path exactly once
@@ -222,3 +222,19 @@ def test_merging_shards_keeps_each_path_once_and_can_run_again(tmp_path):
     merge_shards(out)  # nothing left to merge: a no-op
     assert [r.path for r in previous_rows(out)] == ["done.png", "a.png", "broken.png", "b.png"]
     assert out.read_text().endswith("\n")
+
+
+def test_a_ray_actor_makes_its_shard_only_when_it_has_rows(qwen25_path, folder, tmp_path):
+    """Ray starts a pool's actors asynchronously: one still loading its model when the last
+    batch is done must not make the shard folder again after the driver's merge removed it."""
+    from vlmserve.engine.args import EngineArgs
+    from vlmserve.entrypoints.caption_ray import CaptionActor
+
+    shards = shard_dir(tmp_path / "captions.jsonl")
+    actor = CaptionActor(EngineArgs(model=qwen25_path, num_kv_blocks=512), "Describe the image.",
+                         "Describe the video.", SamplingParams(temperature=0, max_tokens=4), {}, 2, str(shards))
+    assert not shards.exists()
+    picture = str(folder / "img01.png")
+    columns = actor({"path": [picture], "copies": [json.dumps([str(folder / "zcopy0.png")])]})
+    assert columns["path"] == [picture, str(folder / "zcopy0.png")]
+    assert [r.path for r in previous_rows(tmp_path / "captions.jsonl")] == columns["path"]  # the shard, merged

@@ -57,14 +57,16 @@ class CaptionActor:
         self.captioner = Captioner(self.engine, prompt, video_prompt, params, settings, concurrency, lora, pooling)
         # a name no restarted actor reuses: a torn last row stays at the end of its own file
         self.shard = Path(shards) / f"part-{socket.gethostname()}-{uuid.uuid4().hex[:12]}.jsonl"
-        self.shard.parent.mkdir(parents=True, exist_ok=True)
         self.counted = {k: 0 for k in COUNTERS}
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         copies = {p: json.loads(c) for p, c in zip(batch["path"], batch["copies"])}
         columns: dict[str, list] = {k: [] for k in [*asdict(Row("")), *COUNTERS]}
         # opened and synced per batch: on a network file system, another host (the driver,
-        # merging) sees the rows only once the file is synced or closed
+        # merging) sees the rows only once the file is synced or closed. The folder is made
+        # here, not when the actor starts: an actor still loading its model when the last
+        # batch is done would make it again after the driver's merge removed it
+        self.shard.parent.mkdir(parents=True, exist_ok=True)
         with open(self.shard, "a") as shard:
             for original in self.captioner.run(list(batch["path"])):
                 for row in [original, *(copy_row(original, p) for p in copies[original.path])]:
