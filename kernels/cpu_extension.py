@@ -18,7 +18,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp",
+                                          "amx_linear.cpp")]
 HEADERS = [CSRC / "vec_math.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
@@ -42,6 +43,17 @@ def _cpu_flags() -> str:
 def has_bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16 (the kernels built with -march=native use it)."""
     return "avx512_bf16" in _cpu_flags().split()
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether the kernels can use AMX-BF16 tiles: the CPU has them, the kernels were built
+    for them and Linux lets this process use them."""
+    if "amx_bf16" not in _cpu_flags().split() or not available():
+        return False
+    import torch
+
+    return bool(torch.ops.vlmserve_cpu.amx_ready())
 
 
 def cache_dir() -> Path:
