@@ -69,8 +69,9 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// out[m][n] for weight rows [n0, n1) (multiples of 32), every row of x; xb is x in the
-// right operand's layout: [Mpad / 16][K / 32][16 input pairs][16 rows of x][2].
+// y^T of one block: weight rows [n, n + 32) against XTiles tiles of 16 rows of x from tile
+// m_tile0, into y as [weight half][x half][16][16] fp32; xb is x in the right operand's
+// layout: [Mpad / 16][K / 32][16 input pairs][16 rows of x][2].
 template <int XTiles>
 void block_products(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_tile0, int64_t n, float* y) {
   _tile_zero(0);
@@ -83,7 +84,8 @@ void block_products(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_
   const uint16_t* x1 = x0 + depth_tiles * kTile * kDepth;
   for (int64_t kt = 0; kt < depth_tiles; ++kt) {
     const uint16_t* wk = w + n * K + kt * kDepth;
-    const uint16_t* ahead = wk + kPrefetchSteps * kDepth;  // past a row's end: a harmless no-op
+    // near a row's end this fetches the next row's start (or past the weight): harmless
+    const uint16_t* ahead = wk + kPrefetchSteps * kDepth;
     for (int r = 0; r < kBlock; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K), _MM_HINT_T1);
     _tile_loadd(4, wk, stride);
     _tile_loadd(5, wk + kTile * K, stride);
