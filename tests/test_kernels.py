@@ -211,6 +211,9 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     uses_kernel = rows <= linear.GEMV_MAX_ROWS and cpu_extension.has_bf16_dot() and cpu_extension.available()
     if uses_kernel:
         torch.testing.assert_close(got, torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b), atol=0, rtol=0)
+        if b is not None:  # a bias in fp32 is added to the fp32 sums as it is
+            got = torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b.float() + 1e-3)
+            torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.05, rtol=1e-2)
 
 
 def test_no_packed_layout_where_there_is_none():
@@ -305,26 +308,31 @@ def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
-    """RMSNorm (plain, zero-centred, gated), rotary (whole and partial heads) and
-    silu-and-mul: the one-pass C++ ops against torch's chains, in fp32 and bf16."""
+    """RMSNorm (plain, zero-centred, gated; the weight in x's dtype or fp32), rotary (whole
+    and partial heads; cos/sin in fp32 or x's dtype) and silu-and-mul: the one-pass C++
+    ops against torch's chains, in fp32 and bf16."""
     from vlmserve.kernels import cpu_extension, linear, norms, rotary
 
     assert cpu_extension.available()
     torch.manual_seed(0)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     x, gate, weight = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype), torch.randn(96).to(dtype)
-    for fast, ref, args in ((norms.rms_norm_cpu, norms.rms_norm, (x, weight, 1e-6)),
-                            (norms.rms_norm_zero_centered_cpu, norms.rms_norm_zero_centered, (x, weight, 1e-6)),
-                            (norms.gated_rms_norm_cpu, norms.gated_rms_norm, (x, gate, weight, 1e-6))):
-        out = fast(*args)
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref(*args).float(), **tol)
+    for w in (weight, weight.float()):
+        for fast, ref, args in ((norms.rms_norm_cpu, norms.rms_norm, (x, w, 1e-6)),
+                                (norms.rms_norm_zero_centered_cpu, norms.rms_norm_zero_centered, (x, w, 1e-6)),
+                                (norms.gated_rms_norm_cpu, norms.gated_rms_norm, (x, gate, w, 1e-6))):
+            out = fast(*args)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.float(), ref(x.float(), *args[1:]).float(), **tol)
     heads = torch.randn(37, 5, 64).to(dtype)
     for rot in (64, 32):
         angles = torch.rand(37, rot // 2) * 6
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        out = rotary.apply_rotary_cpu(heads, cos, sin)
-        torch.testing.assert_close(out.float(), rotary.apply_rotary(heads.float(), cos, sin), **tol)
+        for tables in ((cos, sin), (cos.to(dtype), sin.to(dtype))):
+            out = rotary.apply_rotary_cpu(heads, *tables)
+            assert out.dtype == dtype
+            want = rotary.apply_rotary(heads.float(), *(t.float() for t in tables))
+            torch.testing.assert_close(out.float(), want, **tol)
     gate_up = torch.randn(37, 2 * 80).to(dtype)
     torch.testing.assert_close(linear.silu_and_mul_cpu(gate_up).float(), linear.silu_and_mul(gate_up.float()), **tol)
 

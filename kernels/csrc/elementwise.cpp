@@ -16,13 +16,41 @@ namespace {
 constexpr int64_t kGrain = 16;  // rows per parallel task
 
 // out = norm(x) * w, where w = weight (plain), 1 + weight (zero-centred); times silu(gate)
-// when a gate is given (the output norm of a Gated DeltaNet layer).
+// when a gate is given (the output norm of a Gated DeltaNet layer). The weight is read in
+// its own dtype (x's or fp32): converting it first is a copy per call, per layer and step.
+template <typename scalar_t, typename weight_t>
+void rms_norm_rows(const scalar_t* xp, const weight_t* wp, const scalar_t* gp, scalar_t* op, int64_t rows,
+                   int64_t dim, float eps, float offset) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = xp + r * dim;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      scalar_t* orow = op + r * dim;
+      if (gp == nullptr) {
+        for (int64_t i = 0; i < dim; ++i)
+          orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (static_cast<float>(wp[i]) + offset));
+      } else {
+        const scalar_t* gr = gp + r * dim;
+        for (int64_t i = 0; i < dim; ++i)
+          orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (static_cast<float>(wp[i]) + offset) *
+                                          vlmserve::silu(static_cast<float>(gr[i])));
+      }
+    }
+  });
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered,
                     const c10::optional<at::Tensor>& gate) {
   const int64_t dim = x.size(-1);
   TORCH_CHECK(weight.numel() == dim, "weight must have the size of the last dimension");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const bool fp32_weight = weight.scalar_type() == at::kFloat;
+  const at::Tensor w = (fp32_weight ? weight : weight.to(x.scalar_type())).contiguous();
   at::Tensor gc;
   if (gate.has_value()) {
     gc = gate->contiguous();
@@ -30,68 +58,63 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   }
   at::Tensor out = at::empty_like(xc);
   const int64_t rows = xc.numel() / dim;
-  const float* wp = w.data_ptr<float>();
+  const float offset = zero_centered ? 1.f : 0.f;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
     const scalar_t* gp = gate.has_value() ? gc.data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* xr = xp + r * dim;
-        float ss = 0.f;
-        for (int64_t i = 0; i < dim; ++i) {
-          const float v = static_cast<float>(xr[i]);
-          ss += v * v;
-        }
-        const float scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + static_cast<float>(eps));
-        scalar_t* orow = op + r * dim;
-        const float offset = zero_centered ? 1.f : 0.f;
-        if (gp == nullptr) {
-          for (int64_t i = 0; i < dim; ++i)
-            orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (wp[i] + offset));
-        } else {
-          const scalar_t* gr = gp + r * dim;
-          for (int64_t i = 0; i < dim; ++i)
-            orow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) * scale * (wp[i] + offset) *
-                                            vlmserve::silu(static_cast<float>(gr[i])));
-        }
-      }
-    });
+    if (fp32_weight)
+      rms_norm_rows(xc.data_ptr<scalar_t>(), w.data_ptr<float>(), gp, out.data_ptr<scalar_t>(), rows, dim,
+                    static_cast<float>(eps), offset);
+    else
+      rms_norm_rows(xc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), gp, out.data_ptr<scalar_t>(), rows, dim,
+                    static_cast<float>(eps), offset);
   });
   return out;
 }
 
-// x [tokens, heads, head_dim]; cos, sin [tokens, rot] (rot <= head_dim, even): the first
-// rot channels of each head rotated (rotate-half pairs i, i + rot / 2), the rest kept.
+// x [tokens, heads, head_dim]; cos, sin [tokens, rot] (rot <= head_dim, even; x's dtype or
+// fp32, read as they are): the first rot channels of each head rotated (rotate-half pairs
+// i, i + rot / 2), the rest kept.
+template <typename scalar_t, typename table_t>
+void rotate_rows(const scalar_t* xp, const table_t* cp, const table_t* sp, scalar_t* op, int64_t tokens,
+                 int64_t heads, int64_t dim, int64_t rot) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const table_t* ct = cp + t * rot;
+      const table_t* st = sp + t * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* xr = xp + (t * heads + h) * dim;
+        scalar_t* orow = op + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = static_cast<float>(xr[i]), b = static_cast<float>(xr[i + half]);
+          orow[i] = static_cast<scalar_t>(a * static_cast<float>(ct[i]) - b * static_cast<float>(st[i]));
+          orow[i + half] =
+              static_cast<scalar_t>(b * static_cast<float>(ct[i + half]) + a * static_cast<float>(st[i + half]));
+        }
+        for (int64_t i = rot; i < dim; ++i) orow[i] = xr[i];
+      }
+    }
+  });
+}
+
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0),
               "x must be [tokens, heads, head_dim] and cos/sin [tokens, rot]");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rot = cos.size(1), half = rot / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), rot = cos.size(1);
   TORCH_CHECK(rot <= dim && rot % 2 == 0, "bad rotary size");
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "cos and sin must have one dtype");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor cc = cos.to(at::kFloat).contiguous(), sc = sin.to(at::kFloat).contiguous();
+  const bool fp32_tables = cos.scalar_type() == at::kFloat;
+  const auto table = [&](const at::Tensor& t) { return (fp32_tables ? t : t.to(x.scalar_type())).contiguous(); };
+  const at::Tensor cc = table(cos), sc = table(sin);
   at::Tensor out = at::empty_like(xc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "apply_rotary", [&] {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const float* cp = cc.data_ptr<float>();
-    const float* sp = sc.data_ptr<float>();
-    at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const float* ct = cp + t * rot;
-        const float* st = sp + t * rot;
-        for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* xr = xp + (t * heads + h) * dim;
-          scalar_t* orow = op + (t * heads + h) * dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = static_cast<float>(xr[i]), b = static_cast<float>(xr[i + half]);
-            orow[i] = static_cast<scalar_t>(a * ct[i] - b * st[i]);
-            orow[i + half] = static_cast<scalar_t>(b * ct[i + half] + a * st[i + half]);
-          }
-          for (int64_t i = rot; i < dim; ++i) orow[i] = xr[i];
-        }
-      }
-    });
+    if (fp32_tables)
+      rotate_rows(xc.data_ptr<scalar_t>(), cc.data_ptr<float>(), sc.data_ptr<float>(), out.data_ptr<scalar_t>(),
+                  tokens, heads, dim, rot);
+    else
+      rotate_rows(xc.data_ptr<scalar_t>(), cc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>(),
+                  out.data_ptr<scalar_t>(), tokens, heads, dim, rot);
   });
   return out;
 }

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,12 +32,53 @@ constexpr int64_t kMaxRows = 4;     // rows of x per call (more: a matmul is the
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
 
-// The fp32 products [M, N] plus the bias, in x's dtype and shape (its last size N).
+// The fp32 products [M, N] plus the bias, in x's dtype and shape (its last size N): one
+// plain loop, the bias read in its own dtype (x's or fp32), rather than ATen's add and
+// conversion (two ops and a converted bias per call: per layer and step in a decode).
+template <typename out_t, typename bias_t>
+void round_row(const float* acc, const bias_t* bias, out_t* out, int64_t N) {
+  int64_t n = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<out_t, at::BFloat16>) {  // 16 at a time, rounded to nearest even as c10's
+    for (; n + 16 <= N; n += 16) {
+      __m512 v = _mm512_loadu_ps(acc + n);
+      if (bias) {
+        if constexpr (std::is_same_v<bias_t, float>) {
+          v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+        } else {
+          const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n));
+          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+        }
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+#endif
+  for (; n < N; ++n) out[n] = static_cast<out_t>(acc[n] + (bias ? static_cast<float>(bias[n]) : 0.f));
+}
+
+template <typename out_t, typename bias_t>
+void round_rows(const float* acc, const bias_t* bias, out_t* out, int64_t M, int64_t N) {
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / N), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) round_row(acc + m * N, bias, out + m * N, N);
+  });
+}
+
 at::Tensor with_bias_in_shape(at::Tensor& acc, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
-  if (bias.has_value()) acc.add_(bias->to(at::kFloat));
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = acc.size(1);
-  return acc.to(x.scalar_type()).view(shape);
+  const bool fp32_bias = bias.has_value() && bias->scalar_type() == at::kFloat;
+  const at::Tensor b = !bias.has_value() ? at::Tensor() : (fp32_bias ? *bias : bias->to(x.scalar_type())).contiguous();
+  if (x.scalar_type() == at::kFloat && !bias.has_value()) return acc.view(shape);
+  at::Tensor out = at::empty(shape, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemv_out", [&] {
+    if (fp32_bias)
+      round_rows(acc.data_ptr<float>(), b.data_ptr<float>(), out.data_ptr<scalar_t>(), acc.size(0), acc.size(1));
+    else
+      round_rows(acc.data_ptr<float>(), b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
+                 acc.size(0), acc.size(1));
+  });
+  return out;
 }
 
 bool supported(const at::Tensor& x, const at::Tensor& weight) {
@@ -279,10 +321,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
         n += band ? kBand : 1;
       }
     });
-    if (bias.has_value()) acc.add_(bias->to(at::kFloat));
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    return acc.to(x.scalar_type()).view(shape);
+    return with_bias_in_shape(acc, x, bias);
   }
 #endif
   // fp32 x: quantized to int16 per row, so that its products stay as exact as fp32 parity needs
