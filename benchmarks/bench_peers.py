@@ -285,9 +285,10 @@ def prompt_tokens(processor, request: dict[str, Any]) -> int:
     return int(processor(text=[request["prompt"]], images=images or None, return_tensors="pt")["input_ids"].shape[1])
 
 
-def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[dict[str, Any]]
-                 ) -> tuple[list[Engine], list[str]]:
-    """The engines to run (vlmserve first) and notes on those skipped."""
+def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[dict[str, Any]],
+                 sequential: bool) -> tuple[list[Engine], list[str]]:
+    """The engines to run (vlmserve first) and notes on those skipped. sequential: the
+    requests go one at a time (the one-user workload)."""
     longest = max(r["prompt_tokens"] + r["max_tokens"] for r in spec)
     common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
               "--device", args.device, "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
@@ -318,10 +319,16 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
         # its KV cache, shared by one slot per request: every request's tokens at once
         context = sum(r["prompt_tokens"] + r["max_tokens"] for r in spec) + 256 * len(spec)
         for kind in args.llama_cpp_types:
-            command = [sys.executable, str(WORKERS / "llama_cpp_worker.py"), *common, "--threads", str(args.threads),
-                       "--server", str(files["server"]), "--gguf", str(files[kind]), "--mmproj", str(files["mmproj"]),
-                       "--port", str(free_port()), "--context", str(context)]
-            engines.append(Engine(f"llama.cpp {kind}", "llama.cpp", command, env,
+            weights = ["--gguf", str(files[kind]), "--mmproj", str(files["mmproj"]), "--threads", str(args.threads)]
+            if sequential:  # one user: the program llama.cpp ships for that, llama-mtmd-cli
+                command = [sys.executable, str(WORKERS / "llama_cpp_cli_worker.py"), *common, *weights,
+                           "--cli", str(files["cli"]), "--context", str(max(4096, longest))]
+                name = f"llama.cpp {kind} (mtmd-cli)"
+            else:
+                command = [sys.executable, str(WORKERS / "llama_cpp_worker.py"), *common, *weights,
+                           "--server", str(files["server"]), "--port", str(free_port()), "--context", str(context)]
+                name = f"llama.cpp {kind}"
+            engines.append(Engine(name, "llama.cpp", command, env,
                                   quantization={"Q8_0": "int8", "Q4_K_M": "int4"}.get(kind)))
     return engines, notes
 
@@ -476,7 +483,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
         spec, sequential = write_workload(folder, model, args.workload, args.requests)
-        engines, notes = plan_engines(args, model, folder, spec)
+        engines, notes = plan_engines(args, model, folder, spec, sequential)
         try:
             start(engines, folder)
             for e in engines:  # warm-up, not counted

@@ -59,7 +59,7 @@ def find_vllm(given: Path | None, env: dict[str, str], threads: int, notes: list
 
 
 def llama_cpp_files(folder: Path, model: str, types: list[str], notes: list[str]) -> dict[str, Path] | None:
-    """llama.cpp's server binary and the checkpoint's GGUF files (converted once, by its
+    """llama.cpp's server and CLI binaries and the checkpoint's GGUF files (converted once, by its
     own converter: benchmarks/llama_cpp_convert.py), from the folder
     setup_llama_cpp.sh builds; None, with a note, where there is none."""
     server, python = folder / "build" / "bin" / "llama-server", folder / "venv" / "bin" / "python"
@@ -69,7 +69,7 @@ def llama_cpp_files(folder: Path, model: str, types: list[str], notes: list[str]
     gguf = Path.home() / ".cache" / "vlmserve-bench" / "gguf" / Path(model).name
     subprocess.run([str(python), str(Path(__file__).parent / "llama_cpp_convert.py"), model, str(gguf)], check=True,
                    stdout=subprocess.DEVNULL)
-    return {"server": server, "mmproj": gguf / "mmproj-f16.gguf", **{t: gguf / f"model-{t}.gguf" for t in types}}
+    return {"server": server, "cli": server.parent / "llama-mtmd-cli", "mmproj": gguf / "mmproj-f16.gguf", **{t: gguf / f"model-{t}.gguf" for t in types}}
 
 
 def cpu_flags() -> str:

@@ -166,14 +166,65 @@ def paged_attention(
     return out
 
 
+# Prompt chunks of at least this many tokens take torch's flash attention (AMX/oneDNN tiles)
+# instead of the paged kernel's vector dot products: 2.4x its speed on a 1,419-token prompt
+# at 16 heads of 128 (measured: 307 against 114-130 GFLOP/s, 2 threads, AMX machine).
+FLASH_MIN_QUERY = 256
+
+
 @register("paged_attention", "cpu", available=cpu_extension.available)
 def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): the cache read in place, fp32
-    accumulation."""
+    accumulation; long prompt chunks by torch's flash attention (`_flash_prefill`)."""
     torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                                  meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
+    starts = meta.query_start_host
+    long = [i for i in range(len(meta.seq_lens_host)) if starts[i + 1] - starts[i] >= FLASH_MIN_QUERY] \
+        if meta.sliding_window == 0 and meta.key_ends is None else []
+    if not long:
+        return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                                      meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
+    out = torch.empty_like(q)
+    rest = [i for i in range(len(meta.seq_lens_host)) if i not in long]
+    if rest:  # the decodes and short chunks of the batch, on the paged kernel
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
+        lens = [starts[i + 1] - starts[i] for i in rest]
+        query_start = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        picked = torch.tensor(rest)
+        out[rows] = torch.ops.vlmserve_cpu.paged_attention(q[rows], k_cache, v_cache, meta.block_tables[picked],
+                                                           query_start, meta.seq_lens[picked], 0, scale, None)
+    block_size = k_cache.shape[3]
+    for i in long:
+        s, e = starts[i], starts[i + 1]
+        prefix = meta.seq_lens_host[i] - (e - s)
+        blocks = meta.block_tables[i].long()
+        kv_pos = torch.arange(prefix)
+        cached = read_kv_cache(k_cache, v_cache, blocks[kv_pos // block_size], kv_pos % block_size) if prefix else None
+        out[s:e] = _flash_prefill(q[s:e], k[s:e], v[s:e], cached, scale)
+    return out
+
+
+def _flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cached: tuple[torch.Tensor, torch.Tensor] | None, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's chunk q [n, heads, d] over its own keys k, v
+    [n, kv_heads, d] and, when given, the keys and values of its cached prefix (all of
+    them visible): the two parts by flash attention, joined by their log-sum-exps."""
+    heads = q.shape[1]
+    if cached is None:  # torch's own grouped-query path (no copies of k and v per head)
+        own = F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),  # 4-D: flash
+                                             is_causal=True, scale=scale, enable_gqa=heads != k.shape[1])
+        return own[0].transpose(0, 1)
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # [n, h, d] -> [1, heads, n, d]
+        return x.repeat_interleave(heads // x.shape[1], dim=1).transpose(0, 1).unsqueeze(0)
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # the one that gives the log-sum-exps
+    own, own_lse = flash(batched(q), batched(k), batched(v), 0.0, True, scale=scale)
+    before, before_lse = flash(batched(q), batched(cached[0]), batched(cached[1]), 0.0, False, scale=scale)
+    top = torch.maximum(own_lse, before_lse)
+    w_own, w_before = (own_lse - top).exp(), (before_lse - top).exp()
+    joined = (own.float() * w_own[..., None] + before.float() * w_before[..., None]) / (w_own + w_before)[..., None]
+    return joined[0].transpose(0, 1).to(q.dtype)
 
 
 @register("varlen_attention")

@@ -153,6 +153,26 @@ def test_the_kv_cache_write_of_cpp_equals_torchs(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 2)])
+def test_long_prompt_chunks_take_flash_attention_and_equal_dense_attention(dtype, q_heads, kv_heads):
+    """Chunks of FLASH_MIN_QUERY tokens or more (a fresh prompt, one over a cached prefix
+    that crosses blocks) go to torch's flash attention, the rest of the batch (decodes, a
+    short chunk) to the paged kernel: every row equals the float64 reference."""
+    from vlmserve.kernels import attention, cpu_extension
+
+    assert cpu_extension.available()
+    n = attention.FLASH_MIN_QUERY
+    num_computed, query_lens = [0, 5, n + 37, 0, 60], [n + 3, 1, n, 20, 1]
+    k_cache, v_cache, tables, history, new_k, new_v = paged_case(num_computed, query_lens, kv_heads, 16, 16,
+                                                                 num_blocks=128, dtype=dtype)
+    meta = build_attention_metadata(tables, num_computed, query_lens, 16)
+    q = torch.randn(sum(query_lens), q_heads, 16).to(dtype)
+    out = attention.paged_attention_cpu(q, new_k, new_v, k_cache, v_cache, meta, 0.25)
+    assert out.dtype == dtype
+    assert_equals_dense(out, q, history, new_k, new_v, query_lens, 0.25, tol=1e-2 if dtype == torch.bfloat16 else 2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 256, 80])
 def test_paged_attention_at_the_head_sizes_of_released_models(d, dtype):
     """The head sizes compiled in (64, 128, 256) and one that is not (80): bf16 storage

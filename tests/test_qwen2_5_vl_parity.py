@@ -123,6 +123,20 @@ def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
     assert llm.engine.engine_core.runner.encoder_runs == 2
 
 
+def test_long_prompt_chunks_on_flash_attention(qwen25_path, hf_qwen25):
+    """Prompt chunks of FLASH_MIN_QUERY tokens or more take torch's flash attention on the
+    CPU (the later ones over the earlier ones' cached keys): tokens and every prompt
+    logprob as transformers gives them."""
+    from vlmserve.kernels.attention import FLASH_MIN_QUERY
+
+    chunk = FLASH_MIN_QUERY + 40
+    llm = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=chunk)
+    text = "The quick brown fox jumps over the lazy dog. " * 60
+    out = llm.generate(request(hf_qwen25, text, [IMG_A]), greedy(prompt_logprobs=-1))[0]
+    assert out.num_prompt_tokens > 2 * chunk  # three chunks, two of them over a cached prefix
+    check(out, hf_qwen25, text, [IMG_A], 16, prompt_logprobs=True)
+
+
 def test_prefix_cache_hit_reuses_kv_and_skips_the_encoder(qwen25_path, hf_qwen25):
     llm = LLM(qwen25_path, num_kv_blocks=256)
     text = "Describe the image. " * 3
