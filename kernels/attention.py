@@ -168,7 +168,9 @@ def paged_attention(
 
 # Prompt chunks of at least this many tokens take torch's flash attention (AMX/oneDNN tiles)
 # instead of the paged kernel's vector dot products: at 16 heads of 128, 2 threads, an AMX
-# CPU, 2.1x on a 1,419-token prompt, 3.4x on 4,096, 2.7x on 2,048 over a 2,048-token prefix.
+# CPU, 2.1x on a 1,419-token prompt, 3.4x on 4,096, 2.7x on 2,048 over a 2,048-token prefix;
+# at 256 tokens 2.0x (1.4x over a 1,024-token prefix), at 128 still 1.4x: chunks below stay
+# on the paged kernel with the decodes, in its one call.
 FLASH_MIN_QUERY = 256
 
 
