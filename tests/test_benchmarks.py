@@ -36,7 +36,7 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
                              r"decode tok/s +of roofline\nvlmserve +[0-9.]+ +[0-9.]+% +[0-9.]+ +[0-9.]+% +[0-9.]+ +[0-9.]+%"),
     # the same checkpoint packed as AWQ for every engine: vlmserve loads it, transformers is skipped (no CPU kernel)
     "bench_peers.py:awq": (["--scale", "qwen2_5_vl_3b", "--layers", "1", "--workload", "one-user", "--repeats", "1",
-                            "--engines", "vlmserve,transformers", "--awq"],
+                            "--engines", "vlmserve,transformers", "--checkpoint-format", "awq"],
                            r"packed as AWQ[^\n]*\n[\s\S]*transformers: skipped[\s\S]*"
                            r"decode tok/s +of roofline\nvlmserve AWQ +[0-9.]+ +[0-9.]+% +[0-9.]+ +[0-9.]+% +[0-9.]+ +[0-9.]+%"),
     "bench_serving.py": (["--requests", "8", "--clients", "4", "--repeats", "1", "--servers", "vlmserve"],

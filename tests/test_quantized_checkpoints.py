@@ -26,6 +26,7 @@ FORMATS = {
     "awq": (lambda src, dst: write_awq(src, dst), True),
     "gptq-int4": (lambda src, dst: write_gptq(src, dst, bits=4, group=64), True),
     "gptq-int4-desc-act": (lambda src, dst: write_gptq(src, dst, bits=4, group=64, desc_act=True), False),
+    "gptq-int4-sym": (lambda src, dst: write_gptq(src, dst, bits=4, group=64, symmetric=True), True),
     "gptq-int8": (lambda src, dst: write_gptq(src, dst, bits=8), False),
     "fp8-block": (lambda src, dst: write_fp8(src, dst), True),
     "compressed-tensors-w4a16": (lambda src, dst: (p := write_compressed_tensors(src, dst, "W4A16"), p), True),

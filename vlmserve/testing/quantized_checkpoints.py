@@ -54,6 +54,15 @@ def _tensors(source: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from load_file(str(shard)).items()
 
 
+def _symmetric(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As _asymmetric, the range centred on zero: the zero point is 2^(bits-1) everywhere."""
+    top, zero = (1 << bits) - 1, 1 << (bits - 1)
+    g = w.float().view(w.shape[0], -1, group)
+    scales = (2 * g.abs().amax(-1) / top).clamp(min=1e-8).half()
+    values = torch.round(g / scales.float()[..., None] + zero).clamp(0, top)
+    return values.view(w.shape).to(torch.int64), scales, torch.full(scales.shape, zero, dtype=torch.int64)
+
+
 def _save(source: Path, dest: Path, tensors: dict, quantization_config: dict | None) -> Path:
     shutil.copytree(source, dest)
     for old in dest.glob("*.safetensors*"):
@@ -92,10 +101,11 @@ def write_awq(source: str | Path, dest: str | Path, group: int = 128) -> tuple[P
 
 
 def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int = 128, desc_act: bool = False,
-               seed: int = 0) -> tuple[Path, Path]:
+               seed: int = 0, symmetric: bool = False) -> tuple[Path, Path]:
     """GPTQ (first checkpoint format): qweight [in * bits / 32, out] int32 (inputs packed),
     qzeros [groups, out * bits / 32] holding z - 1, scales [groups, out] fp16, g_idx [in]:
-    input i belongs to group g_idx[i]; with desc_act the groups are a permutation's runs."""
+    input i belongs to group g_idx[i]; with desc_act the groups are a permutation's runs.
+    symmetric (`sym`, as the published Qwen GPTQ releases): every zero point is 2^(bits-1)."""
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
     generator = torch.Generator().manual_seed(seed)
@@ -105,7 +115,8 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
             continue
         inputs = w.shape[1]
         order = torch.randperm(inputs, generator=generator) if desc_act else torch.arange(inputs)
-        values, scales, zeros = _asymmetric(w[:, order], bits, group)  # groups are runs of `order`
+        quantize = _symmetric if symmetric else _asymmetric
+        values, scales, zeros = quantize(w[:, order], bits, group)  # groups are runs of `order`
         g_idx = torch.empty(inputs, dtype=torch.int32)
         g_idx[order] = (torch.arange(inputs) // group).to(torch.int32)
         unpermuted = torch.empty_like(values)
@@ -117,7 +128,7 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
         quantized[f"{prefix}.scales"] = scales.t().contiguous()
         quantized[f"{prefix}.g_idx"] = g_idx
         assert (zeros >= 1).all(), "the first format cannot store a zero point of 0"
-    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": False,
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": symmetric,
               "checkpoint_format": "gptq"}
     return _save(source, dest, quantized, config), _save(source, Path(f"{dest}-reference"), reference, None)
 
