@@ -153,3 +153,11 @@ def test_one_memory_budget_shared_by_every_group(qwen35_path):
     snapshot_bytes = state_bytes * (config.num_state_slots - seqs) / config.num_state_slots
     assert snapshot_bytes <= budget / 4
     assert config.num_blocks > 1 and total - state_bytes > budget / 2  # attention gets the rest
+
+
+def test_a_budget_too_small_for_the_recurrent_states_says_what_to_change(qwen35_path):
+    """More running requests than the budget's recurrent state slots hold: one error naming
+    the numbers and both ways out, at construction."""
+    with pytest.raises(ValueError, match=r"max_num_seqs=4096 requests .* need [0-9.]+ GB .* kv_cache_memory_gb=0.01: "
+                                         r"lower max_num_seqs or raise kv_cache_memory_gb"):
+        LLM(qwen35_path, kv_cache_memory_gb=0.01, max_num_seqs=4096)

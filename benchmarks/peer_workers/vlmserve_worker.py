@@ -26,7 +26,10 @@ def main() -> None:
 
     default = load_workload(args.workload)
     t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=256, max_num_batched_tokens=4096,
+    # as many sequences as the workload has (at most 256): a hybrid model's recurrent states
+    # are reserved per sequence, and at Qwen3.5's widths 256 of them outgrow the 2 GB budget
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=min(256, len(default)),
+              max_num_batched_tokens=4096,
               kv_cache_memory_gb=2, max_model_len=args.max_model_len, time_steps=args.profile,
               quantization=args.quantization, **({"enforce_eager": True} if args.enforce_eager else {}))
     start_seconds = time.perf_counter() - t

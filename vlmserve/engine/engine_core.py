@@ -207,7 +207,11 @@ def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=
         num_slots = args.max_num_seqs * (1 + num_drafts) + snapshots
         budget -= num_slots * slot_bytes
         if budget <= 0 and args.num_kv_blocks is None:
-            raise ValueError("kv_cache_memory_gb is too small for the recurrent states of max_num_seqs requests")
+            needed = args.kv_cache_memory_gb - budget / (1 << 30)
+            raise ValueError(f"the recurrent states of max_num_seqs={args.max_num_seqs} requests and {snapshots} "
+                             f"prefix-caching snapshots ({slot_bytes / (1 << 20):.1f} MB each) need {needed:.2f} GB "
+                             f"and leave no room for attention blocks in kv_cache_memory_gb={args.kv_cache_memory_gb}: "
+                             f"lower max_num_seqs or raise kv_cache_memory_gb")
     draft_block_bytes = sum(len(g.layer_ids) * g.spec.page_size_bytes for g in draft_groups
                             if isinstance(g.spec, AttentionSpec))
     num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget, draft_block_bytes)
