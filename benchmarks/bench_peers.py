@@ -575,12 +575,14 @@ def published_checkpoint(model: str, name: str) -> str:
     from the formats' specifications or by compressed-tensors itself: AutoAWQ and GPTQModel
     need a GPU)."""
     dest = Path(f"{model}-{name}")
-    if not (dest / "config.json").exists():
+    if not dest.exists():  # packed under another name and renamed: an interrupted run leaves no half checkpoint
         log(f"packing {model} as {name} ...")
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.rmtree(f"{dest}-reference", ignore_errors=True)
-        PUBLISHED_FORMATS[name].write(Path(model), dest)
-        shutil.rmtree(f"{dest}-reference", ignore_errors=True)  # a dequantized twin: not needed here
+        partial = Path(f"{dest}.partial")
+        for stale in (partial, Path(f"{partial}-reference")):
+            shutil.rmtree(stale, ignore_errors=True)
+        PUBLISHED_FORMATS[name].write(Path(model), partial)
+        shutil.rmtree(f"{partial}-reference", ignore_errors=True)  # a dequantized twin: not needed here
+        partial.rename(dest)
     return str(dest)
 
 

@@ -109,13 +109,13 @@ def write_gptq(source: str | Path, dest: str | Path, bits: int = 4, group: int =
     source, dest = Path(source), Path(dest)
     quantized, reference = {}, {}
     generator = torch.Generator().manual_seed(seed)
+    quantize = _symmetric if symmetric else _asymmetric
     for name, w in _tensors(source):
         if not _language_linear(name, w, group):
             quantized[name] = reference[name] = w
             continue
         inputs = w.shape[1]
         order = torch.randperm(inputs, generator=generator) if desc_act else torch.arange(inputs)
-        quantize = _symmetric if symmetric else _asymmetric
         values, scales, zeros = quantize(w[:, order], bits, group)  # groups are runs of `order`
         g_idx = torch.empty(inputs, dtype=torch.int32)
         g_idx[order] = (torch.arange(inputs) // group).to(torch.int32)
