@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from common import cpu_flags, machine_limits
 from vlmserve.kernels.linear import GEMV_MAX_ROWS
-from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, QuantizedWeight, prepare_quantized_weight_cpu, quantize,
-                                               torch_cpu_layout)
+from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, TILED_MAX_ROWS, QuantizedWeight,
+                                               prepare_quantized_weight_cpu, quantize, torch_cpu_layout)
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.testing.quantized_checkpoints import fp8_blocks
 
@@ -47,6 +47,7 @@ def kernels(w: torch.Tensor) -> dict[str, Kernel]:
     rows of x the engine gives it."""
     ops = torch.ops.vlmserve_cpu
     int8 = quantize(w, "int8")
+    int8_tiled = prepare_quantized_weight_cpu(int8)
     int4 = prepare_quantized_weight_cpu(quantize(w, "int4"))
     torch_int4 = torch_cpu_layout(quantize(w, "int4"))
     fp8 = fp8_weight(w)
@@ -54,9 +55,11 @@ def kernels(w: torch.Tensor) -> dict[str, Kernel]:
     return {
         "bf16 GEMV": (lambda x, w: ops.bf16_gemv(x, w, None), (w,), GEMV_MAX_ROWS),
         "bf16 matmul": (lambda x, w: F.linear(x, w), (w,), many),
-        "int8 GEMV": (lambda x, q, s: ops.int8_gemv(x, q, s, None), (int8.data, int8.scales), GEMV_MAX_ROWS),
+        "int8 GEMV": (lambda x, q, s: ops.int8_tiled_gemv(x, q, s, None), (int8_tiled.data, int8_tiled.scales),
+                      TILED_MAX_ROWS["int8"]),
         "int8 torch": (torch.ops.aten._weight_int8pack_mm, (int8.data, int8.scales), many),
-        "int4 GEMV": (lambda x, q, s, z: ops.int4_gemv(x, q, s, z, None), (int4.data, int4.scales, int4.zeros), many),
+        "int4 GEMV": (lambda x, q, s, z: ops.int4_gemv(x, q, s, z, None), (int4.data, int4.scales, int4.zeros),
+                      TILED_MAX_ROWS["int4"]),
         "int4 torch": (lambda x, q, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, 128, s),
                        (torch_int4.data, torch_int4.scales), many),
         "fp8 GEMV": (lambda x, q, s: ops.fp8_gemv(x, q, s, None), (fp8.data.view(torch.uint8), fp8.scales),

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.huge_pages import empty_on_huge_pages
 from vlmserve.kernels.linear import GEMV_MAX_ROWS
 from vlmserve.kernels.registry import register
 
@@ -35,13 +36,17 @@ QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
 # (fp8: vlmserve's kernel, which converts the weights again for every 4 rows)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
-INT4_GEMV_MAX_ROWS = 64  # vlmserve's int4 kernel: beyond, dequantizing and a bf16 matmul win (measured)
+# vlmserve's tiled-layout kernels: beyond, dequantizing and a bf16 matmul win (measured)
+TILED_MAX_ROWS = {"int8": 64, "int4": 64}
 GEMV_TILE = 16  # weight rows per tile in vlmserve's int4 layout (one a 32-bit lane of AVX-512)
 
 
 @dataclass
 class QuantizedWeight:
-    """A [out, in] weight, quantized. int8: `data` int8 [out, in], `scales` [out].
+    """A [out, in] weight, quantized. int8: `scales` [out] and `data` either "plain", int8
+    [out, in], or "gemv", vlmserve's CPU kernel's tiled layout: uint8 w + 128, in tiles of 16
+    rows, for each tile and group of 128 inputs 32 vectors of 64 bytes, vector v holding in
+    its 4-byte lane r row r's inputs 4v..4v+3.
     int4: `scales` and `zeros` [out, in / group], w = q * scale + zero, and `data` the
     values two to a byte in one of three layouts: "plain", [out, in / 2] with input 2j in the
     low nibble and 2j + 1 in the high one; "gemv", vlmserve's CPU kernel's, in tiles of 16
@@ -123,10 +128,18 @@ def int4_values(qw: QuantizedWeight) -> torch.Tensor:
     return torch.stack((blocks & 15, blocks >> 4), dim=1).permute(0, 1, 3, 2).reshape(qw.shape)
 
 
+def int8_values(qw: QuantizedWeight) -> torch.Tensor:
+    """The 8-bit values as int8 [out, in]."""
+    if qw.layout == "plain":
+        return qw.data
+    tiles = qw.data.view(qw.shape[0] // GEMV_TILE, -1, 32, GEMV_TILE, 4)  # [tile, group, v, r, byte]
+    return tiles.permute(0, 3, 1, 2, 4).reshape(qw.shape).bitwise_xor(128).view(torch.int8)
+
+
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The [out, in] weight in its dtype."""
     if qw.method == "int8":
-        return qw.data.to(qw.dtype) * qw.scales[:, None]
+        return int8_values(qw).to(qw.dtype) * qw.scales[:, None]
     if qw.method == "fp8":
         return (qw.data.float() * qw.scales.repeat_interleave(qw.group, 1)[:, : qw.shape[1]]).to(qw.dtype)
     q = int4_values(qw).view(qw.shape[0], -1, qw.group).to(qw.dtype)
@@ -146,23 +159,35 @@ def prepare_quantized_weight(qw: QuantizedWeight) -> QuantizedWeight:
 
 @register("prepare_quantized_weight", "cpu")
 def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    """int4 bf16 weights in vlmserve's CPU kernel's layout (groups of 128), else in
-    torch's (its blocks are 64 outputs: other widths stay plain and run dequantized)."""
-    if qw.method != "int4" or qw.dtype != torch.bfloat16:
+    """int8 and int4 bf16 weights in vlmserve's CPU kernels' layout (tiles of 16 rows, groups
+    of 128 inputs); else int4 in torch's (its blocks are 64 outputs: other widths stay plain
+    and run dequantized) and int8 plain."""
+    if qw.method not in METHODS or qw.dtype != torch.bfloat16:
         return qw
-    if qw.group == INT4_GROUP and qw.shape[0] % GEMV_TILE == 0 and own_kernels_available():
+    if gemv_layout_fits(qw):
         return gemv_layout(qw)
-    return torch_cpu_layout(qw) if qw.shape[0] % 64 == 0 else qw
+    return torch_cpu_layout(qw) if qw.method == "int4" and qw.shape[0] % 64 == 0 else qw
+
+
+def gemv_layout_fits(qw: QuantizedWeight) -> bool:
+    return (qw.group == INT4_GROUP and qw.shape[0] % GEMV_TILE == 0 and qw.shape[1] % INT4_GROUP == 0
+            and own_kernels_available())
 
 
 def gemv_layout(qw: QuantizedWeight) -> QuantizedWeight:
-    """A plain int4 weight (groups of 128, rows a multiple of 16) in vlmserve's CPU
-    kernel's tiled layout."""
+    """A plain int8 or int4 weight (rows a multiple of 16; int4 in groups of 128) in
+    vlmserve's CPU kernels' tiled layout, on huge pages (the GEMVs stream it every step)."""
+    tiled = empty_on_huge_pages(qw.data.shape, torch.uint8)
+    if qw.method == "int8":
+        rows = qw.data.view(torch.uint8).view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1, 32, 4)  # [tile, r, group, v, byte]
+        tiled.view(rows.shape[0], rows.shape[2], 32, GEMV_TILE, 4).copy_(rows.permute(0, 2, 3, 1, 4))
+        return dataclasses.replace(qw, data=tiled.bitwise_xor_(128), layout="gemv")  # w + 128: one xor of the sign
     tiles = int4_values(qw).view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1, 2, 16, 4)  # [tile, r, group, nibble, v, byte]
     packed = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, v, r, byte]
-    tiled = lambda t: t.view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1).transpose(1, 2).contiguous()  # noqa: E731
-    return QuantizedWeight(qw.method, qw.shape, qw.dtype, packed.reshape(qw.shape[0], -1).contiguous(),
-                           tiled(qw.scales), tiled(qw.zeros), "gemv", qw.group)
+    tiled.view(packed.shape).copy_(packed)
+    tile_major = lambda t: t.view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1).transpose(1, 2).contiguous()  # noqa: E731
+    return QuantizedWeight(qw.method, qw.shape, qw.dtype, tiled, tile_major(qw.scales), tile_major(qw.zeros), "gemv",
+                           qw.group)
 
 
 def _untiled(t: torch.Tensor) -> torch.Tensor:
@@ -198,15 +223,17 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 @register("quantized_linear", "cpu")
 def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype:
+    if qw.layout == "gemv" and 0 < rows <= TILED_MAX_ROWS[qw.method] and x.dtype == qw.dtype:
+        if qw.method == "int8":
+            return torch.ops.vlmserve_cpu.int8_tiled_gemv(x, qw.data, qw.scales, bias)
+        return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
+    if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype or qw.layout == "gemv":
         return F.linear(x, _dequantize_to_scratch(qw), bias)
     flat = x.reshape(rows, x.shape[-1])
     if qw.method == "fp8" and _fp8_kernels_fit(qw):
         return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
     if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
         return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
-    if qw.layout == "gemv" and rows <= INT4_GEMV_MAX_ROWS:
-        return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
     if qw.method == "int8":
         out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
     elif qw.layout == "cpu_blocked":
@@ -248,6 +275,9 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
             torch.ops.vlmserve_cpu.fp8_dequantize(qw.data.view(torch.uint8), qw.scales, w)
             return w
         return w.copy_(dequantize(qw))
+    if qw.method == "int8" and qw.layout == "gemv":
+        torch.ops.vlmserve_cpu.int8_tiled_dequantize(qw.data, qw.scales, w)
+        return w
     if qw.method == "int8":
         return w.copy_(qw.data).mul_(qw.scales[:, None])
     if qw.layout == "gemv":

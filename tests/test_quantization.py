@@ -22,6 +22,7 @@ from vlmserve.kernels.quantized_linear import (
     QuantizedWeight,
     dequantize,
     int4_values,
+    int8_values,
     own_kernels_available,
     prepare_quantized_weight_cpu,
     quantizable,
@@ -65,8 +66,10 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
         assert prepared.layout == ("gemv" if own_kernels_available() else "cpu_blocked" if out_features % 64 == 0 else "plain")
         assert torch.equal(int4_values(prepared), int4_values(plain)) or prepared.layout == "cpu_blocked"
-    elif method == "int8":
+    elif method == "int8":  # vlmserve's tiled layout where this CPU has its kernels
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
+        assert prepared.layout == ("gemv" if own_kernels_available() else "plain")
+        assert torch.equal(int8_values(prepared), plain.data)
     else:  # where the extension is not built: torch's kernel, on whole blocks of 64 outputs
         prepared = torch_cpu_layout(plain) if out_features % 64 == 0 else plain
         assert prepared.layout == "plain" or prepared.nbytes < plain.nbytes + plain.data.numel() // 8
@@ -80,23 +83,30 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
 
 
 @pytest.mark.skipif(not own_kernels_available(), reason="vlmserve's CPU kernels (AVX512-VNNI) are not built here")
-def test_int4_tiles_hold_each_row_and_dequantize_exactly():
-    """The kernel's tiled layout (16 rows a tile) keeps every value, scale and zero point of
+@pytest.mark.parametrize("method", METHODS)
+def test_tiles_hold_each_row_and_dequantize_exactly(method):
+    """The kernels' tiled layout (16 rows a tile) keeps every value, scale and zero point of
     its row: its C++ dequantization equals the plain weight's (fp32, up to one rounding)."""
     torch.manual_seed(0)
     w = torch.randn(48, 384, dtype=torch.bfloat16) * torch.linspace(0.1, 3, 48, dtype=torch.bfloat16)[:, None]
-    plain = quantize(w, "int4")
+    plain = quantize(w, method)
     tiled = prepare_quantized_weight_cpu(plain)
-    assert tiled.layout == "gemv" and tiled.scales.shape == (3, 3, 16) and tiled.nbytes == plain.nbytes
-    assert torch.equal(int4_values(tiled), int4_values(plain))
+    assert tiled.layout == "gemv" and tiled.nbytes == plain.nbytes
     out = torch.empty(48, 384)
-    torch.ops.vlmserve_cpu.int4_dequantize(tiled.data, tiled.scales, tiled.zeros, out)
-    expected = int4_values(plain).float().view(48, 3, 128) * plain.scales.float()[..., None] + plain.zeros.float()[..., None]
-    torch.testing.assert_close(out, expected.view(48, 384), atol=1e-5, rtol=1e-6)
+    if method == "int4":
+        assert tiled.scales.shape == (3, 3, 16) and torch.equal(int4_values(tiled), int4_values(plain))
+        torch.ops.vlmserve_cpu.int4_dequantize(tiled.data, tiled.scales, tiled.zeros, out)
+        expected = (int4_values(plain).float().view(48, 3, 128) * plain.scales.float()[..., None]
+                    + plain.zeros.float()[..., None]).view(48, 384)
+    else:
+        assert tiled.data.dtype == torch.uint8 and torch.equal(int8_values(tiled), plain.data)
+        torch.ops.vlmserve_cpu.int8_tiled_dequantize(tiled.data, tiled.scales, out)
+        expected = plain.data.float() * plain.scales.float()[:, None]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-6)
     x = torch.zeros(1, 384, dtype=torch.bfloat16)
     x[0, 200] = 1.0  # one input: the GEMV picks out (nearly: x is quantized to 8 bits) that column
-    got = torch.ops.vlmserve_cpu.int4_gemv(x, tiled.data, tiled.scales, tiled.zeros, None).float()[0]
-    torch.testing.assert_close(got, expected.view(48, 384)[:, 200].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
+    got = quantized_linear_cpu(x, tiled, None).float()[0]
+    torch.testing.assert_close(got, expected[:, 200].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
 
 
 def fp8_weight(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:

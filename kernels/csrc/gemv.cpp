@@ -3,10 +3,11 @@
 // path (oneDNN) reads it at about half of what this CPU can; here each thread streams its
 // own band of weight rows once, four at a time, each loaded 32 bf16 at a time and
 // multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation).
-// int8_gemv does the same for an int8 weight with one scale per row (--quantization int8):
-// half the bytes to stream, multiplied as integers by AVX512-VNNI (bf16 x quantized to int8
-// per group of 128, 64 products an instruction; fp32 x to int16 per row, 32 an instruction,
-// to stay as exact as fp32 parity needs), the scales applied to each sum.
+// int8_tiled_gemv does it for an int8 weight with one scale per row (--quantization int8,
+// W8A8) and bf16 x: half the bytes to stream, in tiles of 16 rows as int4's, multiplied with
+// x quantized to int8 per group of 128 by dpbusd. int8_gemv takes the plain [N, K] weight and
+// fp32 x, quantized to int16 per row (32 products an instruction), to stay as exact as fp32
+// parity needs.
 // int4_gemv does it for a 4-bit weight with a scale and zero point per group of 128 inputs
 // (--quantization int4, AWQ, GPTQ): a quarter of the bytes, in tiles of 16 weight rows (one
 // a 32-bit lane), multiplied with x quantized to int8 per group by dpbusd (64 products an
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,9 +153,6 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 constexpr int64_t kGroup = 128;   // inputs per scale and zero point
 constexpr int64_t kRowTile = 4;   // rows of x per pass over a band's weights (kept in L1 meanwhile)
-// Software prefetch distance along a weight row (the hardware prefetcher alone leaves a
-// core reading well below its share of the bandwidth while it also computes)
-constexpr int64_t kRowPrefetchBytes = 1024;
 
 // 16 bf16 at p to fp32
 inline __m512 bf16x16_to_fp32(const uint16_t* p) {
@@ -248,47 +247,6 @@ void int8_gemv_band(const int16_t* x, const float* x_scales, const int8_t* w, co
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-// For bf16 x (whose own rounding is 2^-9): x quantized to int8 per group of 128 instead, so
-// dpbusd takes 64 products an instruction with no widening. It multiplies unsigned by
-// signed: x goes in offset to unsigned (xq + 128, one xor of its sign bit) and the weight
-// as it is; the offset's share, 128 * sum of the weights, comes from one more dpbusd of the
-// weight with ones, shared by all rows of x. Exact integer sums, two instructions a 64
-// weights fewer per row than moving each weight's sign onto x.
-// out[m][n] = scale_w[n] * sum over groups of x_scale[m][g] * sum_k xq[m][k] * w[n][k].
-template <int M, int B>
-inline void int8_gemv_rows_q8(const int8_t* xq, const float* xs, const int8_t* w, const float* scales, int64_t K,
-                              int64_t N, int64_t r, int64_t n, float* out) {
-  const int64_t G = K / kGroup;
-  const __m512i sign_bit = _mm512_set1_epi8(static_cast<char>(0x80)), ones = _mm512_set1_epi8(1);
-  __m512 acc[M][B];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < B; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i x_first[M], x_second[M];
-    for (int m = 0; m < M; ++m) {
-      x_first[m] = _mm512_xor_si512(_mm512_loadu_si512(xq + (r + m) * K + g * kGroup), sign_bit);
-      x_second[m] = _mm512_xor_si512(_mm512_loadu_si512(xq + (r + m) * K + g * kGroup + 64), sign_bit);
-    }
-    for (int j = 0; j < B; ++j) {
-      const __m512i w_first = _mm512_loadu_si512(w + (n + j) * K + g * kGroup);
-      const __m512i w_second = _mm512_loadu_si512(w + (n + j) * K + g * kGroup + 64);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + g * kGroup + kRowPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + g * kGroup + kRowPrefetchBytes + 64), _MM_HINT_T0);
-      const __m512i offset = _mm512_slli_epi32(
-          _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w_first), ones, w_second), 7);
-      for (int m = 0; m < M; ++m) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x_first[m], w_first);
-        dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(dot, x_second[m], w_second), offset);
-        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[(r + m) * G + g]), acc[m][j]);
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < B; ++j) out[(r + m) * N + n + j] = _mm512_reduce_add_ps(acc[m][j]) * scales[n + j];
-}
-#endif
-
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
   const int64_t K = weight.size(1), N = weight.size(0);
@@ -296,35 +254,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
               x.numel() / K <= kMaxRows && scales.numel() == N,
               "int8_gemv: x of at most 4 rows, a contiguous int8 weight [N, K] with K a multiple of 32, N scales");
   const int64_t M = x.numel() / K;
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  if (x.scalar_type() == at::kBFloat16 && K % kGroup == 0) {
-    const QuantizedRows xq = quantize_rows(x, M, K);
-    const at::Tensor sf = scales.to(at::kFloat).contiguous();
-    at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
-    const int8_t* xp = xq.values.data_ptr<int8_t>();
-    const float* xs = xq.scales.data_ptr<float>();
-    const int8_t* wp = weight.data_ptr<int8_t>();
-    const float* sp = sf.data_ptr<float>();
-    float* op = acc.data_ptr<float>();
-    at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1;) {
-        const bool band = n + kBand <= n1;
-        switch (M) {
-          case 1: band ? int8_gemv_rows_q8<1, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
-                       : int8_gemv_rows_q8<1, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
-          case 2: band ? int8_gemv_rows_q8<2, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
-                       : int8_gemv_rows_q8<2, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
-          case 3: band ? int8_gemv_rows_q8<3, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
-                       : int8_gemv_rows_q8<3, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
-          default: band ? int8_gemv_rows_q8<4, kBand>(xp, xs, wp, sp, K, N, 0, n, op)
-                        : int8_gemv_rows_q8<4, 1>(xp, xs, wp, sp, K, N, 0, n, op); break;
-        }
-        n += band ? kBand : 1;
-      }
-    });
-    return with_bias_in_shape(acc, x, bias);
-  }
-#endif
   // fp32 x: quantized to int16 per row, so that its products stay as exact as fp32 parity needs
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat);
   const at::Tensor x_scales = (xf.abs().amax(1) / 32767.0).clamp_min(1e-30);
@@ -411,16 +340,16 @@ inline void int4_tile_rows(const int8_t* xq, const float* xs, const float* xsum,
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (r + m) * N + t * kTile, acc[m]);
 }
 
-// Tile t for every row of x, kRowTile rows at a time (the tile stays in L2 meanwhile, so
-// the weight streams from memory once).
-void int4_tile(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w, const uint16_t* scales,
-               const uint16_t* zeros, int64_t K, int64_t N, int64_t rows, int64_t t, float* out) {
+// f(M, r) for every row of x, kRowTile rows at a time (M a compile-time row count): a
+// tile's weights stay in L2 meanwhile, so they stream from memory once
+template <typename F>
+inline void by_row_tiles(int64_t rows, F&& f) {
   int64_t r = 0;
-  for (; r + kRowTile <= rows; r += kRowTile) int4_tile_rows<kRowTile>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out);
+  for (; r + kRowTile <= rows; r += kRowTile) f(std::integral_constant<int, kRowTile>{}, r);
   switch (rows - r) {
-    case 1: int4_tile_rows<1>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
-    case 2: int4_tile_rows<2>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
-    case 3: int4_tile_rows<3>(xq, xs, xsum, w, scales, zeros, K, N, r, t, out); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
     default: break;
   }
 }
@@ -456,7 +385,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
   at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) int4_tile(xp, xs, xsum, wp, sp, zp, K, N, M, t, op);
+    for (int64_t t = t0; t < t1; ++t)
+      by_row_tiles(M, [&](auto rows, int64_t r) { int4_tile_rows<rows>(xp, xs, xsum, wp, sp, zp, K, N, r, t, op); });
   });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 and AVX512-VNNI");
@@ -510,6 +440,136 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
   });
 #else
   TORCH_CHECK(false, "int4_dequantize: built without AVX512-BF16 and AVX512-VNNI");
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+constexpr int64_t kInt8TileGroupBytes = kTile * kGroup;  // a tile's group: 32 vectors of 64 bytes
+constexpr int64_t kInt8PrefetchBytes = 4 * kInt8TileGroupBytes;
+
+// The int8 tiled layout, for bf16 x (--quantization int8, W8A8): as int4's, tiles of 16 weight
+// rows, a tile's groups of 128 inputs one after another, each 32 vectors of 64 bytes; vector
+// v holds in lane r row r's inputs 4v..4v+3, each stored as w + 128 (unsigned, as dpbusd
+// takes its first operand). One dpbusd multiplies 16 rows by 4 inputs of x (int8 per group,
+// broadcast): one instruction per 64 weight bytes, where rows read one at a time need a
+// horizontal sum per row and a second dot product for the sign. The offset's share,
+// 128 * sum_k xq[m][k] per group, is x's alone: subtracted once per row of x at the end.
+//
+// out[m][16t..16t+15] = scale[n] * (sum over groups g of x_scale[m][g] * sum_k (w[n][k] + 128) *
+// xq[m][k] - 128 * sum_g x_sum[m][g]).
+template <int M>
+inline void int8_tile_rows(const int8_t* xq, const float* xs, const float* x_offset, const uint8_t* w,
+                           const uint16_t* scales, int64_t K, int64_t N, int64_t r, int64_t t, float* out) {
+  const int64_t G = K / kGroup;
+  const uint8_t* tile = w + t * G * kInt8TileGroupBytes;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = tile + g * kInt8TileGroupBytes;
+    __m512i dot[M][4];  // four independent chains a row: one would wait on dpbusd's latency
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < 4; ++c) dot[m][c] = _mm512_setzero_si512();
+    for (int v = 0; v < 32; v += 4) {
+      for (int u = 0; u < 4; ++u) {
+        const __m512i packed = _mm512_loadu_si512(wg + (v + u) * 64);
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kInt8PrefetchBytes + (v + u) * 64), _MM_HINT_T0);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
+          dot[m][u] = _mm512_dpbusd_epi32(dot[m][u], packed, _mm512_set1_epi32(xm[v + u]));
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[(r + m) * G + g]), acc[m]);
+    }
+  }
+  const __m512 scale = bf16x16_to_fp32(scales + t * kTile);
+  for (int m = 0; m < M; ++m)
+    _mm512_storeu_ps(out + (r + m) * N + t * kTile,
+                     _mm512_mul_ps(_mm512_sub_ps(acc[m], _mm512_set1_ps(x_offset[r + m])), scale));
+}
+#endif
+
+bool int8_tiled_args_ok(const at::Tensor& weight, const at::Tensor& scales) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return weight.scalar_type() == at::kByte && weight.is_contiguous() && K % 128 == 0 && N % 16 == 0 &&
+         scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == N;
+}
+
+constexpr const char* kInt8Layout =
+    "a contiguous uint8 weight [N, K] in the int8 tiled layout with N a multiple of 16 and K of 128, N bf16 scales";
+
+at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& bias) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(int8_tiled_args_ok(weight, scales) && x.size(-1) == K, "int8_tiled_gemv: ", kInt8Layout);
+  const int64_t M = x.numel() / K;
+  at::Tensor acc = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  const int8_t* xp = xq.values.data_ptr<int8_t>();
+  const float* xs = xq.scales.data_ptr<float>();
+  std::vector<float> x_offset(M, 0.f);  // the stored weights' offset times x, per row
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / kGroup; ++g) x_offset[m] += 128.f * xq.sums.data_ptr<float>()[m * (K / kGroup) + g];
+  const float* xo = x_offset.data();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  float* op = acc.data_ptr<float>();
+  at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      by_row_tiles(M, [&](auto rows, int64_t r) { int8_tile_rows<rows>(xp, xs, xo, wp, sp, K, N, r, t, op); });
+  });
+#else
+  TORCH_CHECK(false, "int8_tiled_gemv: built without AVX512-BF16 and AVX512-VNNI");
+#endif
+  return with_bias_in_shape(acc, x, bias);
+}
+
+// The int8 tiled weight dequantized into out ([N, K], bf16 or fp32): for the matmul of a
+// prompt chunk. Row r of a tile's group is lane r of its 32 vectors, gathered.
+void int8_tiled_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tensor& out) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(int8_tiled_args_ok(weight, scales) && out.is_contiguous() && out.sizes() == weight.sizes() &&
+              (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "int8_tiled_dequantize: ", kInt8Layout, ", a contiguous bf16 or fp32 out [N, K]");
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  const int64_t G = K / kGroup;
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  void* op = out.data_ptr();
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(kTile));  // dword v * 16 of each vector
+  at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* wg = wp + (t * G + g) * kInt8TileGroupBytes;
+        for (int64_t r = 0; r < kTile; ++r) {
+          const int64_t n = t * kTile + r;
+          const __m512 scale = _mm512_set1_ps(bf16_to_float(sp[n]));
+          const __m512i index = _mm512_add_epi32(lanes, _mm512_set1_epi32(r));
+          for (int64_t half = 0; half < 2; ++half) {  // vectors 0-15 (inputs 0..63), then 16-31
+            alignas(64) uint8_t values[64];
+            _mm512_store_si512(values, _mm512_i32gather_epi32(index, wg + half * 16 * 64, 4));
+            for (int64_t i = 0; i < 64; i += 16) {
+              const __m512i q = _mm512_sub_epi32(
+                  _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(values + i))), _mm512_set1_epi32(128));
+              const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+              const int64_t k = g * kGroup + half * 64 + i;
+              if (bf16)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(op) + n * K + k),
+                                    (__m256i)_mm512_cvtneps_pbh(value));
+              else
+                _mm512_storeu_ps(static_cast<float*>(op) + n * K + k, value);
+            }
+          }
+        }
+      }
+  });
+#else
+  TORCH_CHECK(false, "int8_tiled_dequantize: built without AVX512-BF16 and AVX512-VNNI");
 #endif
 }
 
@@ -659,6 +719,8 @@ void fp8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tens
 TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
   m.def("bf16_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_tiled_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_tiled_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scales, Tensor zeros, Tensor? bias) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("fp8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
@@ -668,6 +730,8 @@ TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
 TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
   m.impl("bf16_gemv", &bf16_gemv);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("int8_tiled_gemv", &int8_tiled_gemv);
+  m.impl("int8_tiled_dequantize", &int8_tiled_dequantize);
   m.impl("int4_gemv", &int4_gemv);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("fp8_dequantize", &fp8_dequantize);
