@@ -3,16 +3,15 @@
 128 inputs), and the matmul on it.
 
 Decoding reads every weight once per step, so 8-bit weights read half the bytes of bf16
-and 4-bit ones a quarter. On the CPU one to four int8 rows (decoding) run on vlmserve's
-own kernel (csrc/gemv.cpp: integer dot products by AVX512-VNNI, 1.5-2.6x a bf16 one at
-3B widths), a few more on torch's packed-weight kernel (`_weight_int8pack_mm`); int4 up
-to 64 rows on vlmserve's own (x quantized to int8 per group, nibbles times int8 by
-AVX512-VNNI, in a layout of 16-row tiles: at one row it streams the weight at the
-machine's bandwidth, 1.2-2.3x torch's `_weight_int4pack_mm_for_cpu`, which stays for
-CPUs without the extension, and 3-4x at 16-32 rows); many rows (a prefill) are bound by
-compute, where those kernels are several times slower than a bf16 matmul (measured,
-docs/quantization.md), so the weight is dequantized on the fly and multiplied in the
-activations' dtype.
+and 4-bit ones a quarter. On the CPU, with bf16 activations, up to 64 rows run on
+vlmserve's own kernels (csrc/gemv.cpp), which take int8 and int4 weights in one tiled
+layout (16 rows a tile, on huge pages) and multiply them with x quantized to int8 per
+group by AVX512-VNNI: at one row they stream the weight near the machine's bandwidth
+(int8 1.8-2.0x, int4 3.4-4.0x a bf16 GEMV at 3B widths), at 16-64 rows 3-4x torch's
+packed-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which stay
+for CPUs without the extension. Many rows (a prefill) are bound by compute, where those
+kernels are several times slower than a bf16 matmul (measured, docs/quantization.md), so
+the weight is dequantized on the fly and multiplied in the activations' dtype.
 """
 
 from __future__ import annotations
