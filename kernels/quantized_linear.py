@@ -37,7 +37,7 @@ QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
 # vlmserve's tiled-layout kernels: beyond, dequantizing and a bf16 matmul win (measured)
 TILED_MAX_ROWS = {"int8": 64, "int4": 64}
-GEMV_TILE = 16  # weight rows per tile in vlmserve's int4 layout (one a 32-bit lane of AVX-512)
+GEMV_TILE = 16  # weight rows per tile in vlmserve's int8/int4 layout (one a 32-bit lane of AVX-512)
 
 
 @dataclass
