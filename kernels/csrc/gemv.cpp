@@ -460,27 +460,27 @@ constexpr int64_t kInt8PrefetchBytes = 4 * kInt8TileGroupBytes;
 template <int M>
 inline void int8_tile_rows(const int8_t* xq, const float* xs, const float* x_offset, const uint8_t* w,
                            const uint16_t* scales, int64_t K, int64_t N, int64_t r, int64_t t, float* out) {
+  constexpr int kChains = 4;  // independent dot products a row: one chain would wait on dpbusd's latency
   const int64_t G = K / kGroup;
-  const uint8_t* tile = w + t * G * kInt8TileGroupBytes;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = tile + g * kInt8TileGroupBytes;
-    __m512i dot[M][4];  // four independent chains a row: one would wait on dpbusd's latency
+    const uint8_t* wg = w + (t * G + g) * kInt8TileGroupBytes;
+    __m512i dot[M][kChains];
     for (int m = 0; m < M; ++m)
-      for (int c = 0; c < 4; ++c) dot[m][c] = _mm512_setzero_si512();
-    for (int v = 0; v < 32; v += 4) {
-      for (int u = 0; u < 4; ++u) {
-        const __m512i packed = _mm512_loadu_si512(wg + (v + u) * 64);
-        _mm_prefetch(reinterpret_cast<const char*>(wg + kInt8PrefetchBytes + (v + u) * 64), _MM_HINT_T0);
+      for (int c = 0; c < kChains; ++c) dot[m][c] = _mm512_setzero_si512();
+    for (int v = 0; v < 32; v += kChains)
+      for (int c = 0; c < kChains; ++c) {
+        const __m512i packed = _mm512_loadu_si512(wg + (v + c) * 64);
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kInt8PrefetchBytes + (v + c) * 64), _MM_HINT_T0);
         for (int m = 0; m < M; ++m) {
           const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
-          dot[m][u] = _mm512_dpbusd_epi32(dot[m][u], packed, _mm512_set1_epi32(xm[v + u]));
+          dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], packed, _mm512_set1_epi32(xm[v + c]));
         }
       }
-    }
     for (int m = 0; m < M; ++m) {
-      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
+      __m512i sum = dot[m][0];
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[m][c]);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[(r + m) * G + g]), acc[m]);
     }
   }
