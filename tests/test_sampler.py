@@ -1,3 +1,5 @@
+import dataclasses
+
 import torch
 
 from vlmserve.worker.sampler import SamplingBatch, sample
@@ -73,3 +75,21 @@ def test_temperature_sharpens_or_flattens_the_distribution():
         gen = torch.Generator().manual_seed(3)
         freq = frequencies(batch(4000, temperature=temperature, gens=[gen] * 4000))
         assert torch.allclose(freq, torch.softmax(LOGITS / temperature, dim=-1), atol=0.03), temperature
+
+
+def test_a_temperature_past_fp32s_range_draws_uniformly_among_the_allowed_tokens():
+    """3.4028235677973366e38 is a finite Python float that rounds to inf in fp32 (a fuzzed
+    request with a one-choice grammar got token 0, which its mask forbade: -inf / inf)."""
+    logits = LOGITS.repeat(4000, 1)
+    logits[:, 0] = float("-inf")  # masked, as the grammar's bitmask does
+    b = batch(4000, gens=[torch.Generator().manual_seed(5)] * 4000)
+    b = dataclasses.replace(b, temperature=torch.tensor([3.4028235677973366e38] * 4000))  # as the engine builds it
+    assert torch.isinf(b.temperature).all()
+    freq = frequencies_of(logits, b)
+    assert freq[0] == 0
+    assert torch.allclose(freq[1:], torch.full((4,), 0.25), atol=0.03)
+
+
+def frequencies_of(logits, b):
+    tokens, _ = sample(logits, b)
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[1]).float() / logits.shape[0]

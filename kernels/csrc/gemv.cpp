@@ -161,6 +161,14 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// 16 fp32 values into out[i..i+15], out bf16 (rounded to nearest even) or fp32
+inline void store16(void* out, bool bf16, int64_t i, __m512 value) {
+  if (bf16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), (__m256i)_mm512_cvtneps_pbh(value));
+  else
+    _mm512_storeu_ps(static_cast<float*>(out) + i, value);
+}
 inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_fp32(reinterpret_cast<const uint16_t*>(p)); }
 
 // x [M, K] to int8 per group of 128 (scale = max |x| / 127, so no value is -128: the
@@ -428,12 +436,7 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
             const __m128i part = _mm_load_si128(reinterpret_cast<const __m128i*>(values + i));
             const __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part)),
                                                  _mm512_set1_ps(scale), _mm512_set1_ps(zero));
-            const int64_t k = g * kGroup + i;
-            if (bf16)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(op) + n * K + k),
-                                  (__m256i)_mm512_cvtneps_pbh(value));
-            else
-              _mm512_storeu_ps(static_cast<float*>(op) + n * K + k, value);
+            store16(op, bf16, n * K + g * kGroup + i, value);
           }
         }
       }
@@ -557,12 +560,7 @@ void int8_tiled_dequantize(const at::Tensor& weight, const at::Tensor& scales, a
               const __m512i q = _mm512_sub_epi32(
                   _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(values + i))), _mm512_set1_epi32(128));
               const __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
-              const int64_t k = g * kGroup + half * 64 + i;
-              if (bf16)
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(op) + n * K + k),
-                                    (__m256i)_mm512_cvtneps_pbh(value));
-              else
-                _mm512_storeu_ps(static_cast<float*>(op) + n * K + k, value);
+              store16(op, bf16, n * K + g * kGroup + half * 64 + i, value);
             }
           }
         }

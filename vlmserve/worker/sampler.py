@@ -198,7 +198,9 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     rows get their temperature-1 distribution; they take the argmax instead)."""
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    scaled = logits / temperature[:, None]
+    # a temperature past fp32's range (3.4e38) reaches here as inf, and -inf / inf, a masked
+    # logit, would be NaN: at fp32's largest, every allowed token is equally likely
+    scaled = logits / temperature.clamp(max=torch.finfo(torch.float32).max)[:, None]
     if bool((batch.min_p > 0).any()):
         probs = torch.softmax(scaled, dim=-1)
         keep = probs >= batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
