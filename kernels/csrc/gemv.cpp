@@ -513,9 +513,10 @@ at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const 
   const QuantizedRows xq = quantize_rows(x, M, K);
   const int8_t* xp = xq.values.data_ptr<int8_t>();
   const float* xs = xq.scales.data_ptr<float>();
+  const float* xsum = xq.sums.data_ptr<float>();
   std::vector<float> x_offset(M, 0.f);  // the stored weights' offset times x, per row
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < K / kGroup; ++g) x_offset[m] += 128.f * xq.sums.data_ptr<float>()[m * (K / kGroup) + g];
+    for (int64_t g = 0; g < K / kGroup; ++g) x_offset[m] += 128.f * xsum[m * (K / kGroup) + g];
   const float* xo = x_offset.data();
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
