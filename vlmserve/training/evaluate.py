@@ -87,20 +87,30 @@ def run_vlmserve(model: str | None, items: list[Item], dtype: str,
 
 
 def run_transformers(model_path: str, items: list[Item]) -> list[str]:
+    import numpy as np
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(model_path)
     model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
     answers = []
     for item in items:
-        assert item.modality == "image"
         prompt = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": item.question}]}],
+            [{"role": "user", "content": [{"type": item.modality}, {"type": "text", "text": item.question}]}],
             add_generation_prompt=True,
         )
-        inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(item.media)).convert("RGB")], return_tensors="pt")
+        if item.modality == "image":
+            media = dict(images=[Image.open(io.BytesIO(item.media)).convert("RGB")])
+        else:  # the frames at 2 fps (an MP4 decoded by PyAV, as vlmserve does), sampled by the processor
+            frames = shapes.decode_video(item.media) if isinstance(item.media, bytes) else item.media
+            n = len(frames)
+            meta = VideoMetadata(total_num_frames=n, fps=2, width=frames[0].width, height=frames[0].height,
+                                 duration=n / 2, frames_indices=list(range(n)))
+            pixels = torch.from_numpy(np.stack([np.asarray(f.convert("RGB")) for f in frames])).permute(0, 3, 1, 2)
+            media = dict(videos=[pixels], video_metadata=[meta], do_sample_frames=True)
+        inputs = processor(text=[prompt], return_tensors="pt", **media)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
         answers.append(processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -117,7 +127,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="quantize the language layers at load (as serve's --quantization)")
     p.add_argument("--compare-transformers", type=int, default=0, metavar="N",
-                   help="also answer the first N pictures with transformers (fp32) and compare")
+                   help="also answer the first N pictures and N videos with transformers (fp32) and compare")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -137,11 +147,14 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"  wrong ({item.kind}, #{item.picture}): {item.question!r} -> {answer!r}, expected {item.answer!r}",
               file=sys.stderr)
     if args.compare_transformers:
-        subset = [i for i in items if i.modality == "image" and i.picture < args.compare_transformers]
+        n = args.compare_transformers
+        subset = ([i for i in items if i.modality == "image" and i.picture < n]
+                  + [i for i in items if i.modality == "video"][:n])
         ours, _ = run_vlmserve(model, subset, "float32")
         theirs = run_transformers(model, subset)
         same = sum(a == b for a, b in zip(ours, theirs))
-        print(f"transformers vs vlmserve (fp32, greedy) on {args.compare_transformers} pictures: "
+        videos = sum(i.modality == "video" for i in subset)
+        print(f"transformers vs vlmserve (fp32, greedy) on {n} pictures and {videos} videos: "
               f"{same}/{len(subset)} answers identical")
         if same != len(subset):
             return 1

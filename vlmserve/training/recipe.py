@@ -3,7 +3,7 @@
 A Qwen3.5 (Gated DeltaNet + gated attention, Qwen3-VL-style vision tower) small enough
 to train on a 2-core CPU and to ship inside the package, sized for the shapes world:
 pictures are resized to 192 x 192, 12 x 12 patches of 16 px, merged 4 x 4 into 3 x 3
-tokens: exactly one language-model token per grid cell. The tower sums up a cell, and
+tokens: exactly one language-model token per grid cell; a video's frames each the same. The tower sums up a cell, and
 the language model looks up 9 tokens instead of 36 (4 per cell, an object often in
 only one of them), which is what its questions ask: what is in which cell.
 """
@@ -22,6 +22,8 @@ from vlmserve.training import shapes
 CHAT_TEMPLATE = qwen_chat_template(video="<|video_pad|>")
 
 IMAGE_SIDE = 192
+# one frame a patch: each video frame is seen as a picture is (a picture is one frame)
+FRAMES_PER_TOKEN = 1
 PATCH = 16
 MERGE = 4
 
@@ -59,7 +61,7 @@ VISION_CONFIG = dict(
     intermediate_size=512,
     num_heads=2,
     patch_size=PATCH,
-    temporal_patch_size=2,
+    temporal_patch_size=FRAMES_PER_TOKEN,
     spatial_merge_size=MERGE,
     out_hidden_size=256,
     num_position_embeddings=(IMAGE_SIDE // PATCH) ** 2,
@@ -67,14 +69,29 @@ VISION_CONFIG = dict(
 )
 
 # any square picture of 160..320 px comes out at exactly 192 x 192
-IMAGE_PROCESSOR = dict(min_pixels=176 * 176, max_pixels=208 * 208, patch_size=PATCH, merge_size=MERGE)
+IMAGE_PROCESSOR = dict(min_pixels=176 * 176, max_pixels=208 * 208, patch_size=PATCH, merge_size=MERGE,
+                       temporal_patch_size=FRAMES_PER_TOKEN)
 # videos: 4 frames sampled evenly (a straight-line move shows in any 4), each resized to
-# 192 x 192 like a picture: 2 frame pairs x 9 tokens, whatever the clip's length and size
+# 192 x 192 and normalised like a picture: 4 frames x 9 tokens, whatever the clip's length
+# and size, each token what a picture of that frame would give
 VIDEO_FRAMES = 4
 VIDEO_PROCESSOR = dict(
     size={"shortest_edge": VIDEO_FRAMES * 176 * 176, "longest_edge": VIDEO_FRAMES * 208 * 208},
-    patch_size=PATCH, merge_size=MERGE, fps=2, min_frames=VIDEO_FRAMES, max_frames=VIDEO_FRAMES,
+    patch_size=PATCH, merge_size=MERGE, temporal_patch_size=FRAMES_PER_TOKEN,
+    fps=2, min_frames=VIDEO_FRAMES, max_frames=VIDEO_FRAMES,
 )
+VIDEO_SLOTS = VIDEO_FRAMES // FRAMES_PER_TOKEN  # a clip's tokens: VIDEO_SLOTS x 9
+
+
+def one_frame_patches(weights: dict) -> dict:
+    """A model of two-frame patches (the shipped model before its video captions were
+    retrained) as one of this recipe's one-frame patches: the two frames' weights summed.
+    A picture is its frame twice, so it is seen exactly as before."""
+    key = "model.visual.patch_embed.proj.weight"
+    w = weights[key]
+    if w.shape[2] == FRAMES_PER_TOKEN:
+        return weights
+    return {**weights, key: w.float().sum(2, keepdim=True).to(w.dtype)}
 
 
 def tokenizer_corpus(n_scenes: int = 3000, seed: int = 0) -> list[str]:
@@ -98,9 +115,11 @@ def build_tokenizer():
 def build_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
+    images = Qwen2VLImageProcessor(**IMAGE_PROCESSOR)
     return Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**IMAGE_PROCESSOR),
-        video_processor=Qwen3VLVideoProcessor(**VIDEO_PROCESSOR),
+        image_processor=images,
+        # frames normalised as pictures are
+        video_processor=Qwen3VLVideoProcessor(**VIDEO_PROCESSOR, image_mean=images.image_mean, image_std=images.image_std),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )

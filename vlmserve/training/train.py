@@ -11,7 +11,7 @@ The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Five ph
    generator gives for free: a linear head names, from each cell's token, what is in
    the cell (empty, or one of 3 shapes x 6 colours x 2 sizes) and which cell it is, so
    place is in the features too. In the last third, every 4th batch is of clips, and a
-   head names from the two frame pairs' tokens which way the shape moves. A language
+   head names from the clip tokens which way the shape moves. A language
    model trained from scratch on top of a random tower takes thousands of steps to
    start looking at the picture at all; this phase makes that unnecessary.
 2. Vision-language, the tower frozen (no backward through it: more steps fit). Batches
@@ -124,7 +124,7 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
             metas.append(meta)
             tokens = clip_view(video, meta.total_num_frames).tokens
             if kind == "video_caption":
-                qa = dataclasses.replace(video.caption, cells=tuple(t for pair in tokens for t in pair))
+                qa = dataclasses.replace(video.caption, cells=tuple(t for move in tokens for t in move))
             else:
                 i = rng.randrange(len(video.moves)) if kind == "video_moving" else 0
                 qa = dataclasses.replace(video.direction_question(i), cells=tokens[i])
@@ -150,34 +150,35 @@ def make_batch(processor, rng: random.Random, kind: str, size: int, per_picture:
 
 @dataclasses.dataclass
 class ClipView:
-    """What each of a clip's 2 x 9 tokens (frame pair, cell) shows, as the tower is taught
-    to read it: per token, the shape covering most of its cell over the pair's two frames
-    (0: none; else 1 + its class) and that shape's centre at the pair's mean time relative
-    to the cell's centre, in cells; per moving shape, its main token in each pair
-    (comparing the two is how the model tells which way it moves)."""
+    """What each of a clip's recipe.VIDEO_SLOTS x 9 tokens (slot: the frames of one patch,
+    cell) shows, as the tower is taught to read it: per token, the shape covering most of
+    its cell over the slot's frames (0: none; else 1 + its class) and that shape's centre
+    at the slot's mean time relative to the cell's centre, in cells; per moving shape, its
+    main token in each slot (comparing them is how the model tells which way it moves)."""
 
-    content: list[list[int]]  # [pair][cell]
-    offsets: list[list[tuple[float, float]]]  # [pair][cell]
-    tokens: list[tuple[int, int]]  # per move: pair 0's token, 9 + pair 1's
+    content: list[list[int]]  # [slot][cell]
+    offsets: list[list[tuple[float, float]]]  # [slot][cell]
+    tokens: list[tuple[int, ...]]  # per move: slot s's token + 9 s, for each slot
 
 
-MIN_COVER = 0.2  # share of a shape's area (over the pair's two frames) that makes it what a token shows
+MIN_COVER = 0.2  # share of a shape's area (over the slot's frames) that makes it what a token shows
 
 
 def clip_view(video: shapes.Video, num_frames: int) -> ClipView:
     import numpy as np
 
     times = np.linspace(0, num_frames - 1, recipe.VIDEO_FRAMES).round() / (num_frames - 1)
-    pairs = [times[k : k + 2] for k in range(0, len(times), 2)]
-    content = [[0] * 9 for _ in pairs]
-    offsets = [[(0.0, 0.0)] * 9 for _ in pairs]
-    best = [[0.0] * 9 for _ in pairs]
+    per = recipe.FRAMES_PER_TOKEN
+    slots = [times[k : k + per] for k in range(0, len(times), per)]
+    content = [[0] * 9 for _ in slots]
+    offsets = [[(0.0, 0.0)] * 9 for _ in slots]
+    best = [[0.0] * 9 for _ in slots]
     tokens = []
     for move in video.moves:
         cell_px = move._cell_px
         label = 1 + CELL_CLASSES.index((move.shape.kind, move.shape.color, move.shape.size))
         main = []
-        for p, frame_times in enumerate(pairs):
+        for p, frame_times in enumerate(slots):
             cover = [0.0] * 9
             for t in frame_times:
                 x, y, side = move.at(float(t)).box
@@ -209,10 +210,10 @@ def answer_spans(ids: list[int], header: list[int], im_end: int) -> list[tuple[i
 
 def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shapes.QA]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels = every assistant answer with its <|im_end|>; the rest -100. And the look-up
-    targets, (row, query position, visual token: a picture's cell, or a clip's pair x 9 +
+    targets, (row, query position, visual token: a picture's cell, or a clip's slot x 9 +
     cell): for an answer about one object, the position that predicts the answer's first
     token; for a caption, each position that predicts an object's size word ("a| small red
-    circle ..."), with that object's cell; for a clip, the shape's token in each frame pair,
+    circle ..."), with that object's cell; for a clip, the shape's token in each slot,
     from the positions that predict its direction (and in a caption its size word too)."""
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -232,9 +233,11 @@ def answer_labels(tokenizer, input_ids: torch.Tensor, questions: list[list[shape
             elif qa.kind == "video_caption":
                 sizes = [i for i in range(start, end) if ids[i] in size_words]
                 moves = positions_after(tokenizer, ids, start, end, "moving ")
-                assert len(sizes) == len(moves) == len(qa.cells) // 2
+                slots = recipe.VIDEO_SLOTS
+                assert len(sizes) == len(moves) == len(qa.cells) // slots
                 for k, (size, move) in enumerate(zip(sizes, moves)):
-                    targets += [(row, at - 1, token) for at in (size, move) for token in qa.cells[2 * k : 2 * k + 2]]
+                    targets += [(row, at - 1, token) for at in (size, move)
+                                for token in qa.cells[slots * k : slots * (k + 1)]]
             elif qa.kind == "direction":
                 targets += [(row, start - 1, token) for token in qa.cells]
             elif qa.kind == "json":
@@ -343,8 +346,8 @@ class CellBatches(torch.utils.data.IterableDataset):
 
 class ClipBatches(torch.utils.data.IterableDataset):
     """Batches of the clips phase, (step, kind, pixels, grid, labels): clips of 1 to 3
-    moving shapes with, per frame pair and cell, what the token shows and where (clip_view:
-    content [B, pairs, 9], offsets [B, pairs, 9, 2]), and pictures with the content of each
+    moving shapes with, per slot and cell, what the token shows and where (clip_view:
+    content [B, slots, 9], offsets [B, slots, 9, 2]), and pictures with the content of each
     cell, as in phase 1."""
 
     def __init__(self, processor, seed: int, start: int, batch_size: int) -> None:
@@ -368,23 +371,23 @@ class ClipBatches(torch.utils.data.IterableDataset):
 class VisionHeads(torch.nn.Module):
     """Phase 1 read-outs of the merged tokens, one per grid cell: what is in the cell and
     which cell the token is (so place is in the features, for "where" and for ordering
-    captions); for a clip, from its two frame pairs pooled, which way the shape moves
+    captions); for a clip, from its slots pooled, which way the shape moves
     (so motion is in the features)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.cell = torch.nn.Linear(dim, len(CELL_CLASSES) + 1 + 9)
-        self.direction = torch.nn.Linear(2 * dim, len(shapes.DIRECTIONS))
+        self.direction = torch.nn.Linear(recipe.VIDEO_SLOTS * dim, len(shapes.DIRECTIONS))
         self.offset = torch.nn.Linear(dim, 2)  # clips: where the shape is within the token's cell
 
     def forward(self, model, kind: str, pixels: torch.Tensor, grid: torch.Tensor):
-        """Pictures: ([B, 9, classes], [B, 9, 9]); clips, per frame pair ("clip"): the same
-        with a pair dimension, [B, pairs, 9, ...], and offsets [B, pairs, 9, 2]; or their
+        """Pictures: ([B, 9, classes], [B, 9, 9]); clips, per slot ("clip"): the same
+        with a slot dimension, [B, slots, 9, ...], and offsets [B, slots, 9, 2]; or their
         direction ("video"): [B, 4]."""
         tokens = model.model.visual(pixels, grid_thw=grid).pooler_output.float()
         if kind == "video":
-            pairs = tokens.view(len(grid), -1, 9, tokens.shape[-1]).mean(2)  # [B, frame pairs, dim]
-            return self.direction(pairs.flatten(1))
+            slots = tokens.view(len(grid), -1, 9, tokens.shape[-1]).mean(2)  # [B, slots, dim]
+            return self.direction(slots.flatten(1))
         if kind == "clip":
             tokens = tokens.view(len(grid), -1, 9, tokens.shape[-1])
             logits = self.cell(tokens)
@@ -437,7 +440,7 @@ def lookup_loss(maps: list[torch.Tensor], input_ids: torch.Tensor, targets: torc
                 visual_token_ids: tuple[int, ...]) -> torch.Tensor:
     """Mean over targets (row, query, visual token) and maps [B, heads, L, L] of -log(head
     0's attention mass from the query on that token. A row holds one picture or clip, so
-    its n-th visual token is the picture's cell n, or the clip's frame pair n // 9, cell n % 9."""
+    its n-th visual token is the picture's cell n, or the clip's slot n // 9, cell n % 9."""
     rows, queries, tokens = targets.unbind(1)
     is_visual = torch.isin(input_ids, torch.tensor(visual_token_ids))
     ordinal = torch.where(is_visual, is_visual.long().cumsum(1) - 1, -1)
@@ -548,7 +551,7 @@ def main() -> None:
     elif args.init_from is not None:
         from safetensors.torch import load_file
 
-        weights = load_file(str(args.init_from / "model.safetensors"))
+        weights = recipe.one_frame_patches(load_file(str(args.init_from / "model.safetensors")))
         missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
         tied = {"lm_head.weight"} if config.get_text_config().tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
@@ -632,7 +635,7 @@ def main() -> None:
 class VisionPhase:
     """A phase that trains the tower (and the read-out heads) on what each token shows:
     phase 1 ("vision": pictures, then clips' direction too) or the clips phase ("clips":
-    clips' content per frame pair and cell, beside pictures)."""
+    clips' content per slot and cell, beside pictures)."""
 
     name: str
     steps: int
