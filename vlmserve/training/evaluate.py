@@ -127,7 +127,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="quantize the language layers at load (as serve's --quantization)")
     p.add_argument("--compare-transformers", type=int, default=0, metavar="N",
-                   help="also answer the first N pictures and N videos with transformers (fp32) and compare")
+                   help="also answer the first N pictures and N videos of each kind with transformers (fp32) and compare")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -148,8 +148,11 @@ def run_eval(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if args.compare_transformers:
         n = args.compare_transformers
-        subset = ([i for i in items if i.modality == "image" and i.picture < n]
-                  + [i for i in items if i.modality == "video"][:n])
+        videos_by_kind: dict[str, list[Item]] = defaultdict(list)
+        for item in items:
+            if item.modality == "video" and len(videos_by_kind[item.kind]) < n:
+                videos_by_kind[item.kind].append(item)
+        subset = [i for i in items if i.modality == "image" and i.picture < n] + sum(videos_by_kind.values(), [])
         ours, _ = run_vlmserve(model, subset, "float32")
         theirs = run_transformers(model, subset)
         same = sum(a == b for a, b in zip(ours, theirs))

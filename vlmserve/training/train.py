@@ -35,9 +35,9 @@ The model sees a picture as 3 x 3 tokens, one per grid cell (recipe.py). Five ph
    the caption's content as compact JSON, with look-up targets at each shape's colour
    and shape value. The shipped model got it in four short runs (docs/models.md).
 6. Video captions, in two parts, off by default (after JSON). Clips (`--clip-steps`): the
-   tower alone learns what each token of a clip of 1 to 3 moving shapes shows (each
-   shape's kind, colour, size and direction on the tokens it covers, and where in the
-   cell it sits). Then (`--video-caption-steps`) clips of 1 to 3
+   tower alone learns what each token of a clip of 1 to 3 moving shapes shows (one frame
+   a token: the kind, colour and size of the shape covering the most of its cell, and
+   where in the cell its centre is). Then (`--video-caption-steps`) clips of 1 to 3
    shapes, each moving its own way, described ("a small green square moving up and ...");
    the direction question also asked about one shape of such clips; the picture skills
    kept in the mix.
