@@ -112,3 +112,22 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
     assert train.lookup_loss([right], ids, targets, (image_token_id,)).item() < 1e-5
     even = torch.full_like(right, 1 / ids.shape[1])
     assert train.lookup_loss([even], ids, targets, (image_token_id,)).item() > 1.0
+
+
+def test_one_frame_patches_see_a_picture_as_two_frame_patches_did():
+    """A picture is its frame twice: the two-frame patch embedding's product equals the
+    converted one-frame embedding's on the single frame (and a one-frame model is kept)."""
+    import torch
+
+    from vlmserve.training import recipe
+
+    key = "model.visual.patch_embed.proj.weight"
+    torch.manual_seed(0)
+    two = torch.randn(8, 3, 2, 16, 16)
+    frame = torch.randn(5, 3, 1, 16, 16)
+    converted = recipe.one_frame_patches({key: two, "other": torch.ones(1)})
+    assert converted[key].shape == (8, 3, 1, 16, 16) and torch.equal(converted["other"], torch.ones(1))
+    as_two = torch.nn.functional.conv3d(frame.repeat(1, 1, 2, 1, 1), two)
+    as_one = torch.nn.functional.conv3d(frame, converted[key])
+    torch.testing.assert_close(as_one, as_two, rtol=1e-5, atol=1e-4)
+    assert recipe.one_frame_patches(converted) is converted
