@@ -77,6 +77,7 @@ from common import (  # noqa: E402
     SCALE_WORKLOADS,
     checkpoint_costs,
     cpu_flags,
+    decode_step_bytes,
     find_vllm,
     free_port,
     llama_cpp_files,
@@ -597,8 +598,6 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     patches = sum(r["patches"] for r in spec)
     prefill_flops, total_flops = workload_flops(costs, spec)
     roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
-    # bytes per bf16 byte of a language-layer matrix: int8, and int4 with a bf16 scale and zero per 128
-    shrink = {None: 1.0, "int8": 0.5, "int4": 0.25 + 4 / 256}
     peak = limits["bf16_tflops"] * 1e12
     print(f"machine: read {limits['read_gbs']:.1f} GB/s, copy {limits['copy_gbs']:.1f} GB/s, "
           f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s")
@@ -613,8 +612,7 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     for e in engines:
         seconds = e.median("seconds")
         line = f"{e.name:<26}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
-        step_bytes = costs["decode_bytes"] - costs["matrix_bytes"] * (1 - shrink[e.quantization]) \
-            - (costs["head_bytes"] / 2 if e.head_quantized else 0)
+        step_bytes = decode_step_bytes(costs, e.quantization, e.head_quantized)
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
             decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)

@@ -156,6 +156,17 @@ def checkpoint_costs(model: str) -> dict[str, float]:
             "head_bytes": head_bytes}
 
 
+# bytes per bf16 byte of a language-layer matrix: int8, and int4 with a bf16 scale and zero per 128
+QUANTIZED_SHARE = {None: 1.0, "int8": 0.5, "int4": 0.25 + 4 / 256}
+
+
+def decode_step_bytes(costs: dict[str, float], quantization: str | None, head_quantized: bool) -> float:
+    """What one decode step reads with the language layers quantized at load (and the head
+    in int8 where the engine quantizes it): the roofline's numerator."""
+    return costs["decode_bytes"] - costs["matrix_bytes"] * (1 - QUANTIZED_SHARE[quantization]) \
+        - (costs["head_bytes"] / 2 if head_quantized else 0)
+
+
 def synthetic_image(w: int, h: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
     base = rng.randint(0, 256, (4, 4, 3), dtype=np.uint8)  # smooth-ish, like a photo
