@@ -2,7 +2,7 @@
 the engines in one process taking turns every few tokens: this machine's read bandwidth
 moves by +-20% within tens of seconds, so engines measured in separate, longer runs do not
 compare. Each round decodes `--tokens` tokens with every engine (a text prompt, greedy,
-EOS ignored; the prompt's own time subtracted); printed: each round's tok/s and ratio to
+EOS ignored; from the first token to the last); printed: each round's tok/s and ratio to
 bf16, the medians, and each engine's share of the bandwidth roofline (bytes a step reads /
 the read bandwidth measured before the rounds).
 
@@ -18,7 +18,6 @@ import argparse
 import logging
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,16 +25,14 @@ from common import CACHE, checkpoint_costs, cpu_flags, decode_step_bytes, machin
 
 
 def tokens_per_second(llm, seed: int, tokens: int) -> float:
-    """Decode speed of one request: its time to `tokens` tokens minus its time to one."""
+    """Decode speed of one request: its tokens after the first over the time between its
+    first and last token (the engine's own timestamps)."""
     from vlmserve import SamplingParams
 
     chat = [{"role": "user", "content": [{"type": "text", "text": f"Tell me a story, number {seed}."}]}]
-    start = time.perf_counter()
-    llm.chat(chat, SamplingParams(max_tokens=1, temperature=0))
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.chat(chat, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    return (tokens - 1) / (time.perf_counter() - start - first)
+    [out] = llm.chat(chat, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    m = out.metrics
+    return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
 
 
 def main() -> None:
@@ -57,7 +54,7 @@ def main() -> None:
     print(f"machine: read {limits['read_gbs']:.1f} GB/s (measured before the rounds)")
     methods: list[str | None] = [None] + [q for q in args.quantizations.split(",") if q]
     names = {m: m or "bf16" for m in methods}
-    llms = {m: LLM(str(args.model), dtype="bfloat16", quantization=m, max_model_len=4096) for m in methods}
+    llms = {m: LLM(str(args.model), dtype="bfloat16", quantization=m) for m in methods}
     for m in methods:  # warm-up
         tokens_per_second(llms[m], 0, 9)
     speeds: dict[str | None, list[float]] = {m: [] for m in methods}
@@ -74,7 +71,7 @@ def main() -> None:
         step = decode_step_bytes(costs, m, head_quantized=m is not None)
         median = statistics.median(speeds[m])
         print(f"{names[m]:<8}{median:>8.2f}{statistics.median(ratios):>8.2f}"
-              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>20}{step / 1e9:>11.2f}"
+              f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>20}{step / 1e9:>11.3f}"
               f"{median * step / (limits['read_gbs'] * 1e9):>13.0%}")
 
 

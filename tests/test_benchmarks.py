@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from vlmserve.engine.model_source import SHIPPED_MODEL
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 pytestmark = pytest.mark.slow
@@ -45,6 +47,10 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_spec_decode.py": (["--requests", "2", "--streams", "1,2", "--repeats", "1", "--drafts", "2",
                               "--disable-by-batch-size", "1", "--draft-layers", "0,1"],
                              r"\| plain \| 2 \| draft model \(layers 0,1\) k=3 \|"),
+    # the shipped model, bf16 against int8 and int4 at load, taking turns in one process
+    "bench_quantized_decode.py": (["--model", str(SHIPPED_MODEL), "--rounds", "2", "--tokens", "5"],
+                                  r"round 2: bf16 [0-9.]+ tok/s \(1.00x\), int8 [0-9.]+ tok/s \([0-9.]+x\), int4 [\s\S]*"
+                                  r"\nint4 +[0-9.]+ +[0-9.]+ +[0-9.]+-[0-9.]+ +[0-9.]+ +[0-9]+%"),
     "bench_quantized_kernels.py": (["--rows", "1", "--stream-mb", "1", "--repeats", "1"],
                                    r"2560 x 2048 \(q/k/v\)[^\n]*\n.*\n(.*\n){6}fp8 GEMV +[0-9.]+ \([0-9]+\)"),
 }
