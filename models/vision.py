@@ -42,8 +42,8 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q = ops.apply_rotary(q.float(), cos, sin).to(x.dtype)
-        k = ops.apply_rotary(k.float(), cos, sin).to(x.dtype)
+        q = ops.apply_rotary(q, cos, sin).to(x.dtype)  # fp32 inside, rounded once
+        k = ops.apply_rotary(k, cos, sin).to(x.dtype)
         out = ops.varlen_attention(q, k, v, seq_lens, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 

@@ -286,11 +286,14 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(t, with_state):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
+@pytest.mark.parametrize("dk,dv,c", [(16, 8, 12), (32, 64, 300), (16, 128, 520)])
+def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype, dk, dv, c):
     """The C++ conv1d and gated delta rule (the recurrence, token by token) against the
     portable ones (chunked): decodes and prefills, fresh and resuming states in their
     slots, several 64-token chunks, grouped key heads; and two verification queries of
-    speculative decoding, whose states after each draft go to checkpoint slots."""
+    speculative decoding, whose states after each draft go to checkpoint slots. Value
+    heads of 64 and 128 take the kernel's fixed-size paths, others the generic one; over
+    256 channels the conv splits a sequence's channels between work items."""
     from vlmserve.kernels import cpu_extension
     from vlmserve.kernels.gdn import (
         build_recurrent_metadata,
@@ -302,7 +305,7 @@ def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
 
     assert cpu_extension.available()
     torch.manual_seed(0)
-    hk, h, dk, dv, c, kernel, num_slots = 2, 4, 16, 8, 12, 4, 14
+    hk, h, kernel, num_slots = 2, 4, 4, 14
     slots, num_computed, query_lens = [3, 0, 7, 5, 2, 8, 1, 6], [10, 4, 0, 30, 0, 70, 20, 15], [1, 1, 5, 40, 130, 64, 3, 4]
     checkpoints = [[]] * 6 + [[10, 11], [12, 13, 4]]
     meta = build_recurrent_metadata(slots, num_computed, query_lens, checkpoint_slots=checkpoints)
@@ -329,8 +332,8 @@ def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
     """RMSNorm (plain, zero-centred, gated; the weight in x's dtype or fp32), rotary (whole
-    and partial heads; cos/sin in fp32 or x's dtype) and silu-and-mul: the one-pass C++
-    ops against torch's chains, in fp32 and bf16."""
+    and partial heads of q and k as views of one projection; cos/sin in fp32 or x's dtype)
+    and silu-and-mul: the one-pass C++ ops against torch's chains, in fp32 and bf16."""
     from vlmserve.kernels import cpu_extension, linear, norms, rotary
 
     assert cpu_extension.available()
@@ -344,15 +347,16 @@ def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
             out = fast(*args)
             assert out.dtype == dtype
             torch.testing.assert_close(out.float(), ref(x.float(), *args[1:]).float(), **tol)
-    heads = torch.randn(37, 5, 64).to(dtype)
-    for rot in (64, 32):
-        angles = torch.rand(37, rot // 2) * 6
-        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-        for tables in ((cos, sin), (cos.to(dtype), sin.to(dtype))):
-            out = rotary.apply_rotary_cpu(heads, *tables)
-            assert out.dtype == dtype
-            want = rotary.apply_rotary(heads.float(), *(t.float() for t in tables))
-            torch.testing.assert_close(out.float(), want, **tol)
+    fused = torch.randn(37, 7 * 64).to(dtype)  # q (5 heads) and k (2) of one projection
+    for heads in (fused[:, :5 * 64].view(37, 5, 64), fused[:, 5 * 64:].view(37, 2, 64)):  # views, not copies
+        for rot in (64, 32):
+            angles = torch.rand(37, rot // 2) * 6
+            cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+            for tables in ((cos, sin), (cos.to(dtype), sin.to(dtype))):
+                out = rotary.apply_rotary_cpu(heads, *tables)
+                assert out.dtype == dtype and out.is_contiguous()
+                want = rotary.apply_rotary(heads.float(), *(t.float() for t in tables))
+                torch.testing.assert_close(out.float(), want, **tol)
     gate_up = torch.randn(37, 2 * 80).to(dtype)
     torch.testing.assert_close(linear.silu_and_mul_cpu(gate_up).float(), linear.silu_and_mul(gate_up.float()), **tol)
 

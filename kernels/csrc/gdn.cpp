@@ -33,15 +33,21 @@
 
 namespace {
 
-template <typename scalar_t>
+constexpr int64_t kMaxValueDim = 256;  // dv of the generic path (the sizes of released models are fixed)
+
+// One (sequence, value head) over tokens [t0, t1). DV > 0: the value head size known at
+// compile time (64, 128): the rows of S are then a few vector registers, kS and o stay in
+// registers across a pass, and no loop pays set-up per row (with dv known only at run
+// time, the per-row set-up of two 4-vector loops cost more than their arithmetic).
+template <typename scalar_t, int64_t DV>
 void delta_rule_head(const scalar_t* q, const scalar_t* k, const scalar_t* v, const float* g, const float* beta,
                      scalar_t* out, float* S, int64_t t0, int64_t t1, int64_t key_head, int64_t head,
-                     int64_t key_heads, int64_t heads, int64_t dk, int64_t dv, std::vector<float>& buf) {
-  buf.resize(2 * dk + 2 * dv);
+                     int64_t key_heads, int64_t heads, int64_t dk, int64_t dv_runtime, std::vector<float>& buf) {
+  const int64_t dv = DV > 0 ? DV : dv_runtime;
+  buf.resize(2 * dk);
   float* qn = buf.data();
   float* kn = qn + dk;
-  float* kS = kn + dk;
-  float* o = kS + dv;
+  float kS[DV > 0 ? DV : kMaxValueDim], o[DV > 0 ? DV : kMaxValueDim];
   const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
   for (int64_t t = t0; t < t1; ++t) {
     const scalar_t* qt = q + (t * key_heads + key_head) * dk;
@@ -60,31 +66,42 @@ void delta_rule_head(const scalar_t* q, const scalar_t* k, const scalar_t* v, co
     }
     const float decay = std::exp(g[t * heads + head]);
     const float b = beta[t * heads + head];
-    // pass 1: decay the state, and read what it remembers for this key
+    // pass 1: what the decayed state remembers for this key (the decayed rows are not
+    // stored here: pass 2 decays them again, the same product, and stores them once)
     for (int64_t j = 0; j < dv; ++j) kS[j] = 0.f;
     for (int64_t i = 0; i < dk; ++i) {
-      float* row = S + i * dv;
+      const float* row = S + i * dv;
       const float ki = kn[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        row[j] *= decay;
-        kS[j] += ki * row[j];
-      }
+      for (int64_t j = 0; j < dv; ++j) kS[j] += ki * (row[j] * decay);
     }
     const scalar_t* vt = v + (t * heads + head) * dv;
     for (int64_t j = 0; j < dv; ++j) kS[j] = (static_cast<float>(vt[j]) - kS[j]) * b;  // the delta
-    // pass 2: write the delta, and read the output
+    // pass 2: decay the state and write the delta, and read the output
     for (int64_t j = 0; j < dv; ++j) o[j] = 0.f;
     for (int64_t i = 0; i < dk; ++i) {
       float* row = S + i * dv;
       const float ki = kn[i], qi = qn[i];
       for (int64_t j = 0; j < dv; ++j) {
-        row[j] += ki * kS[j];
-        o[j] += qi * row[j];
+        const float r = row[j] * decay + ki * kS[j];
+        row[j] = r;
+        o[j] += qi * r;
       }
     }
     scalar_t* ot = out + (t * heads + head) * dv;
     for (int64_t j = 0; j < dv; ++j) ot[j] = static_cast<scalar_t>(o[j]);
   }
+}
+
+template <typename scalar_t>
+using DeltaRuleHead = void (*)(const scalar_t*, const scalar_t*, const scalar_t*, const float*, const float*,
+                               scalar_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, std::vector<float>&);
+
+template <typename scalar_t>
+DeltaRuleHead<scalar_t> delta_rule_for(int64_t dv) {
+  if (dv == 64) return &delta_rule_head<scalar_t, 64>;
+  if (dv == 128) return &delta_rule_head<scalar_t, 128>;
+  return &delta_rule_head<scalar_t, 0>;
 }
 
 at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -111,7 +128,9 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const bool* hsp = hs.data_ptr<bool>();
   float* statep = state.data_ptr<float>();
   const int64_t n = num_seqs * heads;
+  TORCH_CHECK(dv <= kMaxValueDim, "value heads of at most ", kMaxValueDim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gated_delta_rule", [&] {
+    const DeltaRuleHead<scalar_t> head_rule = delta_rule_for<scalar_t>(dv);
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> buf;
@@ -120,9 +139,9 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
         float* S = statep + (slp[seq] * heads + head) * dk * dv;
         if (!hsp[seq]) std::fill(S, S + dk * dv, 0.f);
         auto run = [&](int64_t t0, int64_t t1) {
-          delta_rule_head<scalar_t>(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(),
-                                    gc.data_ptr<float>(), bc.data_ptr<float>(), out.data_ptr<scalar_t>(), S, t0, t1,
-                                    head / rep, head, key_heads, heads, dk, dv, buf);
+          head_rule(qc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>(), vc.data_ptr<scalar_t>(), gc.data_ptr<float>(),
+                    bc.data_ptr<float>(), out.data_ptr<scalar_t>(), S, t0, t1, head / rep, head, key_heads, heads, dk,
+                    dv, buf);
         };
         const int64_t t0 = qsp[seq], t1 = qsp[seq + 1];
         const int64_t kept = std::min(width, t1 - t0);  // tokens whose state is checkpointed
@@ -138,6 +157,8 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+constexpr int64_t kConvChannelBlock = 256;  // channels per work item (a long prompt alone still splits)
+
 at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_state,
                          const at::Tensor& query_start, const at::Tensor& slots, const at::Tensor& has_state,
                          const at::Tensor& checkpoints) {
@@ -146,7 +167,9 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
   TORCH_CHECK(conv_state.is_contiguous() && conv_state.size(1) == channels && conv_state.size(2) == hist,
               "the conv state must be [slots, channels, kernel - 1], contiguous");
   TORCH_CHECK(x.scalar_type() == conv_state.scalar_type(), "x and the conv state: one dtype");
-  const at::Tensor xc = x.contiguous(), wc = weight.to(at::kFloat).contiguous();
+  // the weight tap-major ([kernel, channels]): a tap's products are one vector pass over
+  // the channels
+  const at::Tensor xc = x.contiguous(), wt = weight.to(at::kFloat).t().contiguous();
   const at::Tensor qs = query_start.to(at::kInt).contiguous(), sl = slots.to(at::kLong).contiguous();
   const at::Tensor hs = has_state.to(at::kBool).contiguous();
   const at::Tensor ck = checkpoints.to(at::kLong).contiguous();
@@ -157,38 +180,46 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
   const int32_t* qsp = qs.data_ptr<int32_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
   const bool* hsp = hs.data_ptr<bool>();
-  const float* wp = wc.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  const int64_t blocks = (channels + kConvChannelBlock - 1) / kConvChannelBlock;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* cs = conv_state.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-      // the window, channel-minor: win[i * channels + c] is input (t - hist + i) of channel c
-      std::vector<float> win((hist + 1) * channels);
-      for (int64_t seq = begin; seq < end; ++seq) {
+    at::parallel_for(0, num_seqs * blocks, 1, [&](int64_t begin, int64_t end) {
+      // a sequence's inputs before its first token, tap-major (the state is channel-major)
+      std::vector<scalar_t> before(hist * kConvChannelBlock);
+      float acc[kConvChannelBlock];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t seq = item / blocks, c0 = (item % blocks) * kConvChannelBlock;
+        const int64_t nc = std::min(kConvChannelBlock, channels - c0);
+        const int64_t t0 = qsp[seq], len = qsp[seq + 1] - t0;
         scalar_t* state = cs + slp[seq] * channels * hist;
-        for (int64_t c = 0; c < channels; ++c)
+        for (int64_t c = 0; c < nc; ++c)
           for (int64_t i = 0; i < hist; ++i)
-            win[i * channels + c] = hsp[seq] ? static_cast<float>(state[c * hist + i]) : 0.f;
-        for (int64_t t = qsp[seq]; t < qsp[seq + 1]; ++t) {
-          float* newest = win.data() + hist * channels;
-          for (int64_t c = 0; c < channels; ++c) newest[c] = static_cast<float>(xp[t * channels + c]);
-          scalar_t* ot = op + t * channels;
-          for (int64_t c = 0; c < channels; ++c) {
-            float acc = 0.f;
-            for (int64_t i = 0; i <= hist; ++i) acc += wp[c * kernel + i] * win[i * channels + c];
-            ot[c] = static_cast<scalar_t>(vlmserve::silu(acc));
+            before[i * nc + c] = hsp[seq] ? state[(c0 + c) * hist + i] : static_cast<scalar_t>(0.f);
+        // input r of the sequence (r < 0: the r-th before its first token), channels c0..
+        const auto input = [&](int64_t r) -> const scalar_t* {
+          return r >= 0 ? xp + (t0 + r) * channels + c0 : before.data() + (hist + r) * nc;
+        };
+        const auto save_window = [&](int64_t r, scalar_t* to) {  // the inputs up to r, as a state
+          for (int64_t i = 0; i < hist; ++i) {
+            const scalar_t* in = input(r - hist + 1 + i);
+            for (int64_t c = 0; c < nc; ++c) to[(c0 + c) * hist + i] = in[c];
           }
-          std::copy(win.begin() + channels, win.end(), win.begin());  // slide by one token
-          const int64_t j = t - qsp[seq];
-          if (j < width && ckp[seq * width + j] >= 0) {  // the window after this token
-            scalar_t* to = cs + ckp[seq * width + j] * channels * hist;
-            for (int64_t c = 0; c < channels; ++c)
-              for (int64_t i = 0; i < hist; ++i) to[c * hist + i] = static_cast<scalar_t>(win[i * channels + c]);
+        };
+        for (int64_t r = 0; r < len; ++r) {
+          for (int64_t c = 0; c < nc; ++c) acc[c] = 0.f;
+          for (int64_t i = 0; i <= hist; ++i) {
+            const scalar_t* in = input(r - hist + i);
+            const float* w = wp + i * channels + c0;
+            for (int64_t c = 0; c < nc; ++c) acc[c] += w[c] * static_cast<float>(in[c]);
           }
+          scalar_t* ot = op + (t0 + r) * channels + c0;
+          for (int64_t c = 0; c < nc; ++c) ot[c] = static_cast<scalar_t>(vlmserve::silu(acc[c]));
+          if (r < width && ckp[seq * width + r] >= 0) save_window(r, cs + ckp[seq * width + r] * channels * hist);
         }
-        for (int64_t c = 0; c < channels; ++c)
-          for (int64_t i = 0; i < hist; ++i) state[c * hist + i] = static_cast<scalar_t>(win[i * channels + c]);
+        save_window(len - 1, state);  // after `before` was read: the slot's own state is overwritten last
       }
     });
   });
