@@ -166,23 +166,38 @@ def paged_attention(
     return out
 
 
-# Prompt chunks of at least this many tokens take torch's flash attention (AMX/oneDNN tiles)
-# instead of the paged kernel's vector dot products: at 16 heads of 128, 2 threads, an AMX
-# CPU, 2.1x on a 1,419-token prompt, 3.4x on 4,096, 2.7x on 2,048 over a 2,048-token prefix;
-# at 256 tokens 2.0x (1.4x over a 1,024-token prefix), at 128 still 1.4x: chunks below stay
-# on the paged kernel with the decodes, in its one call.
+# On CPUs with AMX, prompt chunks of at least this many tokens take torch's flash attention
+# (AMX/oneDNN tiles) instead of the paged kernel's vector dot products: at 16 heads of 128,
+# 2 threads, 2.1x on a 1,419-token prompt, 3.4x on 4,096, 2.7x on 2,048 over a 2,048-token
+# prefix; at 256 tokens 2.0x (1.4x over a 1,024-token prefix), at 128 still 1.4x: chunks
+# below stay on the paged kernel with the decodes, in its one call. Without AMX (AVX512-BF16
+# alone) it is the other way round: the paged kernel ran 2.0-2.9x faster than torch's flash
+# attention at every size measured (heads of 64, 8 / 2, and of 128, 16 / 2; prompts of 256
+# to 4,096 tokens, 1,000 over 1,000, 2,048 over 2,048), so there every chunk stays on it.
 FLASH_MIN_QUERY = 256
+
+
+def flash_threshold() -> int | None:
+    """The chunk length from which this CPU's prompt chunks take flash attention (None: never)."""
+    return FLASH_MIN_QUERY if cpu_extension.has_amx() else None
 
 
 @register("paged_attention", "cpu", available=cpu_extension.available)
 def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): the cache read in place, fp32
-    accumulation; long prompt chunks by torch's flash attention (`_flash_prefill`)."""
+    accumulation; on CPUs with AMX, long prompt chunks by torch's flash attention."""
+    return attend_cpu(q, k, v, k_cache, v_cache, meta, scale, flash_threshold())
+
+
+def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, flash_from: int | None) -> torch.Tensor:
+    """paged_attention_cpu with the chunk length from which prompt chunks (causal, no
+    window) take torch's flash attention (`_flash_prefill`) given; None: none do."""
     torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = meta.query_start_host
-    long = [i for i in range(len(meta.seq_lens_host)) if starts[i + 1] - starts[i] >= FLASH_MIN_QUERY] \
-        if meta.sliding_window == 0 and meta.key_ends is None else []
+    long = [i for i in range(len(meta.seq_lens_host)) if starts[i + 1] - starts[i] >= flash_from] \
+        if flash_from is not None and meta.sliding_window == 0 and meta.key_ends is None else []
     if not long:
         return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                                       meta.seq_lens, meta.sliding_window, scale, meta.key_ends)

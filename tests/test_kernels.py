@@ -157,7 +157,8 @@ def test_the_kv_cache_write_of_cpp_equals_torchs(dtype):
 def test_long_prompt_chunks_take_flash_attention_and_equal_dense_attention(dtype, q_heads, kv_heads):
     """Chunks of FLASH_MIN_QUERY tokens or more (a fresh prompt, one over a cached prefix
     that crosses blocks) go to torch's flash attention, the rest of the batch (decodes, a
-    short chunk) to the paged kernel: every row equals the float64 reference."""
+    short chunk) to the paged kernel: every row equals the float64 reference. (Flash
+    attention takes them on CPUs with AMX; the split is tested on every CPU.)"""
     from vlmserve.kernels import attention, cpu_extension
 
     assert cpu_extension.available()
@@ -167,7 +168,7 @@ def test_long_prompt_chunks_take_flash_attention_and_equal_dense_attention(dtype
                                                                  num_blocks=128, dtype=dtype)
     meta = build_attention_metadata(tables, num_computed, query_lens, 16)
     q = torch.randn(sum(query_lens), q_heads, 16).to(dtype)
-    out = attention.paged_attention_cpu(q, new_k, new_v, k_cache, v_cache, meta, 0.25)
+    out = attention.attend_cpu(q, new_k, new_v, k_cache, v_cache, meta, 0.25, flash_from=n)
     assert out.dtype == dtype
     assert_equals_dense(out, q, history, new_k, new_v, query_lens, 0.25, tol=1e-2 if dtype == torch.bfloat16 else 2e-5)
 

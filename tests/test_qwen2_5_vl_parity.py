@@ -123,12 +123,15 @@ def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
     assert llm.engine.engine_core.runner.encoder_runs == 2
 
 
-def test_long_prompt_chunks_on_flash_attention(qwen25_path, hf_qwen25):
-    """Prompt chunks of FLASH_MIN_QUERY tokens or more take torch's flash attention on the
-    CPU (the later ones over the earlier ones' cached keys): tokens and every prompt
-    logprob as transformers gives them."""
+@pytest.mark.parametrize("route", ["flash", "paged"])
+def test_long_prompt_chunks_on_flash_attention(qwen25_path, hf_qwen25, route, monkeypatch):
+    """Prompt chunks of FLASH_MIN_QUERY tokens or more, on torch's flash attention (what
+    CPUs with AMX take) and on the paged kernel (the others), the later ones over the
+    earlier ones' cached keys: tokens and every prompt logprob as transformers gives them."""
+    from vlmserve.kernels import attention
     from vlmserve.kernels.attention import FLASH_MIN_QUERY
 
+    monkeypatch.setattr(attention, "flash_threshold", lambda: FLASH_MIN_QUERY if route == "flash" else None)
     chunk = FLASH_MIN_QUERY + 40
     llm = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=chunk)
     text = "The quick brown fox jumps over the lazy dog. " * 60
