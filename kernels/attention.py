@@ -250,29 +250,32 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Bidirectional attention within each of several packed sequences.
 
-    q, k, v: [tokens, heads, d], the sequences back to back. Sequences are padded to the
-    longest and attended in one batched call (a per-sequence loop costs more on CPU
-    than the padding does for the vision tower's near-equal windows).
+    q, k, v: [tokens, heads, d], the sequences back to back. The sequences of each length
+    are attended in one batched call, without a mask: a per-sequence loop costs more on
+    CPU than batching does, and padding every sequence to the longest cost more than a
+    call per length (bf16, 2 threads: 2.1x on the full-attention blocks of 40 pictures of
+    6 sizes, 1.07x on 166 windows of 3 lengths).
     """
     n, heads, d = q.shape
-    num_seqs = len(seq_lens)
-    longest = max(seq_lens)
-    if all(length == longest for length in seq_lens):
-        def batch(x):
-            return x.view(num_seqs, longest, heads, d).transpose(1, 2)
+    if len(set(seq_lens)) == 1:
+        return _equal_length_attention(q, k, v, seq_lens[0], scale)
+    starts = np.cumsum([0] + list(seq_lens))
+    by_length: dict[int, list[int]] = {}
+    for i, length in enumerate(seq_lens):
+        by_length.setdefault(length, []).append(i)
+    out = torch.empty_like(q)
+    for length, seqs in by_length.items():
+        rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + length) for i in seqs]))
+        out[rows] = _equal_length_attention(q[rows], k[rows], v[rows], length, scale)
+    return out
 
-        o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
-        return o.transpose(1, 2).reshape(n, heads, d)
-    starts = np.cumsum([0] + list(seq_lens[:-1]))
-    offsets = np.arange(longest)
-    valid = offsets[None, :] < np.asarray(seq_lens)[:, None]
-    index = np.where(valid, starts[:, None] + offsets[None, :], 0)
-    index_t = torch.from_numpy(index).to(q.device)
-    mask = torch.from_numpy(valid).to(q.device)[:, None, None, :]
 
-    def padded(x):
-        return x[index_t].transpose(1, 2)  # [seqs, heads, longest, d]
+def _equal_length_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, scale: float
+                            ) -> torch.Tensor:
+    n, heads, d = q.shape
 
-    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=scale)
-    o = o.transpose(1, 2)[torch.from_numpy(valid).to(q.device)]
-    return o.reshape(n, heads, d)
+    def batch(x):
+        return x.view(n // length, length, heads, d).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
+    return o.transpose(1, 2).reshape(n, heads, d)

@@ -381,3 +381,22 @@ def test_bf16_batched_decode_linear_equals_an_fp32_product_rounded_once(rows, bi
         # the kernel's own: equal to the fp32 product rounded once, up to the order of its sums
         torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
         torch.testing.assert_close(got, torch.ops.vlmserve_cpu.amx_linear(x, weight, b), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("seq_lens", [[7, 7, 7], [5, 9, 5, 12, 9, 1]])
+def test_varlen_attention_attends_within_each_sequence(seq_lens):
+    """The vision tower's attention: every token sees its own sequence both ways and no
+    other, for sequences of one length (one batched call) and of several (one call per
+    length), against the float64 reference."""
+    from vlmserve.kernels.attention import varlen_attention
+
+    torch.manual_seed(len(seq_lens))
+    n = sum(seq_lens)
+    q, k, v = (torch.randn(n, 4, 16) for _ in range(3))
+    out = varlen_attention(q, k, v, seq_lens, 0.25)
+    start = 0
+    for length in seq_lens:
+        rows = slice(start, start + length)
+        ref = dense_attention(q[rows], k[rows], v[rows], 0.25, key_ends=[length - 1] * length)
+        torch.testing.assert_close(out[rows].double(), ref, atol=2e-5, rtol=2e-5)
+        start += length
