@@ -1,12 +1,13 @@
-"""RMSNorm (computed in fp32, as the reference models do): plain, zero-centred and gated;
-on the CPU in one pass each (kernels/csrc/elementwise.cpp)."""
+"""RMSNorm (computed in fp32, as the reference models do): plain, zero-centred and gated,
+and each of the first two after a residual addition; on the CPU in one pass each
+(kernels/csrc/elementwise.cpp)."""
 
 from __future__ import annotations
 
 import torch
 
 from vlmserve.kernels import cpu_extension
-from vlmserve.kernels.registry import register
+from vlmserve.kernels.registry import ops, register
 
 
 @register("rms_norm")
@@ -34,6 +35,22 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * x32.to(dtype) * torch.nn.functional.silu(gate.float())).to(dtype)
 
 
+@register("add_rms_norm")
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): a layer's residual sum (rounded to x's dtype, as the
+    reference adds) and the next norm of it; the norm is the device's own."""
+    total = x + delta
+    return total, ops.rms_norm(total, weight, eps)
+
+
+@register("add_rms_norm_zero_centered")
+def add_rms_norm_zero_centered(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + delta
+    return total, ops.rms_norm_zero_centered(total, weight, eps)
+
+
 @register("rms_norm", "cpu", available=cpu_extension.available)
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, None)
@@ -47,3 +64,15 @@ def rms_norm_zero_centered_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float
 @register("gated_rms_norm", "cpu", available=cpu_extension.available)
 def gated_rms_norm_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, gate)
+
+
+@register("add_rms_norm", "cpu", available=cpu_extension.available)
+def add_rms_norm_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.vlmserve_cpu.add_rms_norm(x, delta, weight, eps, False)
+
+
+@register("add_rms_norm_zero_centered", "cpu", available=cpu_extension.available)
+def add_rms_norm_zero_centered_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.vlmserve_cpu.add_rms_norm(x, delta, weight, eps, True)

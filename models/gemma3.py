@@ -141,8 +141,9 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        x, h = self.pre_feedforward_layernorm.add_and_norm(x, attended)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class TextModel(nn.Module):

@@ -27,6 +27,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it), in one pass: a layer's residual sum and its next norm."""
+        return ops.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm scaled by (1 + weight), weight initialised at zero (Qwen3-Next, Qwen3.5)."""
@@ -38,6 +42,10 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm_zero_centered(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it), in one pass: a layer's residual sum and its next norm."""
+        return ops.add_rms_norm_zero_centered(x, delta, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -290,5 +298,5 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+        return x + self.mlp(h)

@@ -106,11 +106,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            x = x + self.linear_attn(h, ctx)
-        else:
-            x = x + self.self_attn(h, cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mixed = self.linear_attn(h, ctx) if self.kind == "linear_attention" else self.self_attn(h, cos, sin, ctx)
+        x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
+        return x + self.mlp(h)
 
 
 class TextModel(MRoPEDecoder):

@@ -332,9 +332,10 @@ def test_recurrent_ops_of_a_mixed_batch_equal_the_portable_ones(dtype, dk, dv, c
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
-    """RMSNorm (plain, zero-centred, gated; the weight in x's dtype or fp32), rotary (whole
-    and partial heads of q and k as views of one projection; cos/sin in fp32 or x's dtype)
-    and silu-and-mul: the one-pass C++ ops against torch's chains, in fp32 and bf16."""
+    """RMSNorm (plain, zero-centred, gated; the weight in x's dtype or fp32; after a
+    residual addition, bit for bit as adding then norming), rotary (whole and partial heads
+    of q and k as views of one projection; cos/sin in fp32 or x's dtype) and silu-and-mul:
+    the one-pass C++ ops against torch's chains, in fp32 and bf16."""
     from vlmserve.kernels import cpu_extension, linear, norms, rotary
 
     assert cpu_extension.available()
@@ -348,6 +349,10 @@ def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
             out = fast(*args)
             assert out.dtype == dtype
             torch.testing.assert_close(out.float(), ref(x.float(), *args[1:]).float(), **tol)
+        for fused, norm in ((norms.add_rms_norm_cpu, norms.rms_norm_cpu),
+                            (norms.add_rms_norm_zero_centered_cpu, norms.rms_norm_zero_centered_cpu)):
+            total, normed = fused(x, gate, w, 1e-6)  # the residual sum and its norm: as adding, then norming
+            assert torch.equal(total, x + gate) and torch.equal(normed, norm(x + gate, w, 1e-6))
     fused = torch.randn(37, 7 * 64).to(dtype)  # q (5 heads) and k (2) of one projection
     for heads in (fused[:, :5 * 64].view(37, 5, 64), fused[:, 5 * 64:].view(37, 2, 64)):  # views, not copies
         for rot in (64, 32):

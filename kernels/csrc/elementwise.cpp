@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "vec_math.h"
@@ -70,6 +71,54 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
                     static_cast<float>(eps), offset);
   });
   return out;
+}
+
+// (x + delta, norm(x + delta)) in one pass: a decoder layer's residual sum, rounded to x's
+// dtype as the reference's addition rounds it, and the next norm of that rounded sum
+// (plain or zero-centred weight, read in its own dtype). Saves the addition's own pass
+// over both tensors and the norm's read of the sum.
+template <typename scalar_t, typename weight_t>
+void add_rms_norm_rows(const scalar_t* xp, const scalar_t* dp, const weight_t* wp, scalar_t* sp, scalar_t* op,
+                       int64_t rows, int64_t dim, float eps, float offset) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = xp + r * dim;
+      const scalar_t* dr = dp + r * dim;
+      scalar_t* srow = sp + r * dim;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        srow[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(dr[i]));
+        const float v = static_cast<float>(srow[i]);
+        ss += v * v;
+      }
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      scalar_t* orow = op + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        orow[i] = static_cast<scalar_t>(static_cast<float>(srow[i]) * scale * (static_cast<float>(wp[i]) + offset));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps, bool zero_centered) {
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.numel() == dim, "weight must have the size of the last dimension");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(), "delta must be like x");
+  const at::Tensor xc = x.contiguous(), dc = delta.contiguous();
+  const bool fp32_weight = weight.scalar_type() == at::kFloat;
+  const at::Tensor w = (fp32_weight ? weight : weight.to(x.scalar_type())).contiguous();
+  at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
+  const int64_t rows = xc.numel() / dim;
+  const float offset = zero_centered ? 1.f : 0.f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    if (fp32_weight)
+      add_rms_norm_rows(xc.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), w.data_ptr<float>(),
+                        sum.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps), offset);
+    else
+      add_rms_norm_rows(xc.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                        sum.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps), offset);
+  });
+  return {sum, out};
 }
 
 // x [tokens, heads, head_dim] at strides (token_stride, head_stride, 1): q or k as views of
@@ -159,12 +208,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered, Tensor? gate) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered) -> (Tensor, Tensor)");
   m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("apply_rotary", &apply_rotary);
   m.impl("silu_and_mul", &silu_and_mul);
 }
