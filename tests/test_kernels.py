@@ -388,11 +388,11 @@ def test_bf16_batched_decode_linear_equals_an_fp32_product_rounded_once(rows, bi
         torch.testing.assert_close(got, torch.ops.vlmserve_cpu.amx_linear(x, weight, b), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("seq_lens", [[7, 7, 7], [5, 9, 5, 12, 9, 1]])
+@pytest.mark.parametrize("seq_lens", [[7, 7, 7], [16, 15, 16, 14], [5, 9, 5, 12, 9, 1]])
 def test_varlen_attention_attends_within_each_sequence(seq_lens):
     """The vision tower's attention: every token sees its own sequence both ways and no
-    other, for sequences of one length (one batched call) and of several (one call per
-    length), against the float64 reference."""
+    other, for sequences of one length (one batched call), of near lengths (padded, with
+    a mask) and of far ones (one call per length), against the float64 reference."""
     from vlmserve.kernels.attention import varlen_attention
 
     torch.manual_seed(len(seq_lens))
