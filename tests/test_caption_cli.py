@@ -111,18 +111,19 @@ sys.exit(run_caption(args, on_row=lambda row, n: os.kill(os.getpid(), sig) if n 
 """
 
 
-def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *extra: str) -> tuple[list[dict], str]:
-    """Starts a run that sends itself `sig` once it has written 15 of the 50 rows, resumes;
+def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *extra: str, at: int = 15
+                             ) -> tuple[list[dict], str]:
+    """Starts a run that sends itself `sig` once it has written `at` of the 50 rows, resumes;
     returns the rows written before the kill and the resumed run's stderr."""
     cmd = caption_cmd(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra)
-    cmd = [sys.executable, "-c", INTERRUPTED_AT_ROW, str(int(sig)), "15", *cmd[cmd.index("caption"):]]
+    cmd = [sys.executable, "-c", INTERRUPTED_AT_ROW, str(int(sig)), str(at), *cmd[cmd.index("caption"):]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     lines = written_lines(out)
     if extra:  # the run exited: no worker writes any more (checked over a second)
         time.sleep(1)
         assert written_lines(out) == lines
     first = [json.loads(line) for line in lines if line.endswith("}")]  # SIGKILL may tear the last
-    assert 15 <= len(first) < 50
+    assert at <= len(first) < 50
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and all(line.endswith("}") for line in lines)
     result = caption(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra, "--resume")
@@ -178,12 +179,16 @@ def test_globs_lists_prompt_and_max_pixels(qwen25_path, folder, tmp_path):
 
 @pytest.mark.slow
 def test_ray_interrupted_and_resumed_gives_the_rows_of_one_machine(qwen25_path, folder, tmp_path):
-    """On a local 2-worker Ray cluster: Ctrl-C halfway leaves the workers' output shards,
-    --resume merges them and captions the rest; the rows are the single machine's."""
+    """On a local 2-worker Ray cluster: Ctrl-C partway leaves the workers' output shards,
+    --resume merges them and captions the rest; the rows are the single machine's. The
+    driver sees rows a batch (8) at a time while the workers go on with their next ones,
+    so the signal goes at its first row: at row 15 each worker was into its third and last
+    batch, and the workers could finish every row before Ray stopped them."""
     local, distributed = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
     result = caption(qwen25_path, str(folder), "--out", str(local), *KILL_SETTINGS)
     assert result.returncode == 1, result.stderr
-    rows, stderr = kill_halfway_then_resume(qwen25_path, folder, distributed, signal.SIGINT, "--ray", "--ray-workers", "2")
+    rows, stderr = kill_halfway_then_resume(qwen25_path, folder, distributed, signal.SIGINT, "--ray", "--ray-workers",
+                                            "2", at=1)
     key = lambda r: r["path"]  # noqa: E731
     assert sorted(rows, key=key) == sorted(rows_of(local), key=key)
     assert re.search(r"workers 2, encoder cache hits \d+, prefix-cached tokens \d+", stderr)
