@@ -45,3 +45,12 @@ def test_tokenizers_that_clean_up_spaces_take_the_general_detokenizer():
     tokenizer = copy.deepcopy(AutoTokenizer.from_pretrained(SHIPPED_MODEL))
     tokenizer.clean_up_tokenization_spaces = True  # transformers' clean-up is not in the Rust decoder
     assert isinstance(make_detokenizer(tokenizer, [], True), IncrementalDetokenizer)
+
+
+def test_an_id_outside_the_vocabulary_decodes_to_nothing_and_the_answer_goes_on():
+    """A sampled id past the tokenizer (a model's vocabulary may be larger) is no fault."""
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    ids = tokenizer.encode("a small circle.", add_special_tokens=False)
+    for detok in (make_detokenizer(tokenizer, [], True), IncrementalDetokenizer(tokenizer, [], True)):
+        assert detok.append([len(tokenizer) + 5, 10**6]) == ""
+        assert "".join(detok.append([i]) for i in ids) == "a small circle."
