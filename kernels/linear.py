@@ -5,11 +5,13 @@ On CPU a weight can be reordered once into oneDNN's blocked layout. For the row 
 of batched decode (8-64 tokens) a matmul on it runs 1.5-2x faster than `F.linear` on the
 plain weight, and as fast for long prefills; for one to a few rows (a single stream
 decoding) the plain weight is faster. So a packed layer keeps both and picks by row count.
-For one to four rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
+For one to three rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
 matrix-vector product bound by how fast the weight streams from memory: vlmserve's own
-kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half.
-Up to 32 rows (a batch of decoding requests) on a CPU with AMX, vlmserve's AMX kernel
-(csrc/amx_linear.cpp) reads the plain weight once for all rows, as a decode step should.
+kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half;
+from four rows oneDNN's packed copy is as fast, and the same kernel takes up to 16 rows of
+a layer too large to keep one. Up to 32 rows (a batch of decoding requests) on a CPU with
+AMX, vlmserve's AMX kernel (csrc/amx_linear.cpp) reads the plain weight once for all
+rows, as a decode step should.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
 from vlmserve.kernels.registry import register
 
-PACKED_MIN_ROWS = 8  # below this the plain weight is faster (measured: 1 row ~25% slower packed)
-GEMV_MAX_ROWS = 4  # up to this, the bf16 matrix-vector kernel (csrc/gemv.cpp)
-# from there up to this, AMX tiles on the plain weight (csrc/amx_linear.cpp) where the CPU
-# has AMX-BF16: a batched decode step at 8-16 rows 1.1-1.5x faster in the engine than on
-# oneDNN's packed copy, about even at 32-48, slower at 64 (measured, Qwen2.5-VL-3B widths)
+# From this many rows on, oneDNN's packed copy where a layer has one: below, the bf16 GEMV on
+# the plain weight is faster (1-3 rows: 13.1-16.4 against 15.1-17.3 ms for a 3B layer's
+# matrices x 4); from 4 rows the packed copy (4-7 rows: 14.6-18.3 ms, the GEMV 16.2-17.3 at
+# 4, F.linear on the plain weight 22.5-24.3; AMD EPYC, 2 threads)
+PACKED_MIN_ROWS = 4
+GEMV_MAX_ROWS = 4  # the int8 matrix-vector kernel's rows (csrc/gemv.cpp)
+# Up to this, the bf16 GEMV takes a layer with no packed copy (a model too large to keep
+# one): 4 to 16 rows in tiles, 1.2-1.3x F.linear on the plain weight (measured as above;
+# about even at 24-32 rows, where F.linear's matmul takes over)
+BF16_GEMV_MAX_ROWS = 16
+# From PACKED_MIN_ROWS up to this, AMX tiles on the plain weight (csrc/amx_linear.cpp) where
+# the CPU has AMX-BF16: a batched decode step at 8-16 rows 1.1-1.5x faster in the engine than
+# on oneDNN's packed copy, about even at 32-48, slower at 64 (measured, Qwen2.5-VL-3B widths)
 AMX_MAX_ROWS = 32
 
 
@@ -65,14 +75,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if 0 < rows <= GEMV_MAX_ROWS and _gemv_fits(x, weight):
+    gemv = 0 < rows <= BF16_GEMV_MAX_ROWS and _gemv_fits(x, weight)
+    if gemv and rows < PACKED_MIN_ROWS:
         return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
     if 0 < rows <= AMX_MAX_ROWS and _amx_fits(x, weight):
         return torch.ops.vlmserve_cpu.amx_linear(x, weight, bias)
-    if packed is None or rows < PACKED_MIN_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    if packed is not None and rows >= PACKED_MIN_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+    if gemv:
+        return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _amx_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

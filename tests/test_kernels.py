@@ -212,11 +212,12 @@ def test_packed_linear_equals_plain_linear(rows, bias):
     torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 13, 16, 17])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
-    """Up to four rows of a bf16 layer take the matrix-vector kernel (AVX512-BF16 CPUs):
-    fp32 sums of the exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
+    """Up to 16 rows of a bf16 layer with no packed copy take the matrix-vector kernel
+    (AVX512-BF16 CPUs; from 4 rows in tiles of rows, of unequal sizes at 13): fp32 sums of
+    the exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
     from vlmserve.kernels import cpu_extension, linear
 
     torch.manual_seed(0)
@@ -229,7 +230,9 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=0.05, rtol=1e-2)
-    uses_kernel = rows <= linear.GEMV_MAX_ROWS and cpu_extension.has_bf16_dot() and cpu_extension.available()
+    amx = rows >= linear.PACKED_MIN_ROWS and cpu_extension.has_amx()  # AMX's kernel takes these there
+    uses_kernel = (rows <= linear.BF16_GEMV_MAX_ROWS and not amx and cpu_extension.has_bf16_dot()
+                   and cpu_extension.available())
     if uses_kernel:
         torch.testing.assert_close(got, torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b), atol=0, rtol=0)
         if b is not None:  # a bias in fp32 is added to the fp32 sums as it is
@@ -367,10 +370,10 @@ def test_fused_elementwise_ops_equal_the_portable_ones(dtype):
     torch.testing.assert_close(linear.silu_and_mul_cpu(gate_up).float(), linear.silu_and_mul(gate_up.float()), **tol)
 
 
-@pytest.mark.parametrize("rows", [5, 16, 17, 32, 33])
+@pytest.mark.parametrize("rows", [4, 5, 16, 17, 32, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_batched_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
-    """5 to 32 rows of a bf16 layer take the AMX kernel (CPUs with AMX-BF16): fp32 sums of
+    """4 to 32 rows of a bf16 layer take the AMX kernel (CPUs with AMX-BF16): fp32 sums of
     the exact bf16 products, rounded to bf16 once, over several blocks of 32 weight rows."""
     from vlmserve.kernels import cpu_extension, linear
 

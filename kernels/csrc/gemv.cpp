@@ -2,7 +2,8 @@
 // matrix-vector product, bound by how fast the weight streams from memory. torch's bf16
 // path (oneDNN) reads it at about half of what this CPU can; here each thread streams its
 // own band of weight rows once, four at a time, each loaded 32 bf16 at a time and
-// multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation).
+// multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation); 4 to 16
+// rows of x (a batch decoding, where a layer has no packed copy) in tiles of up to 6.
 // int8_tiled_gemv does it for an int8 weight with one scale per row (--quantization int8,
 // W8A8) and bf16 x: half the bytes to stream, in tiles of 16 rows as int4's, multiplied with
 // x quantized to int8 per group of 128 by dpbusd. int8_gemv takes the plain [N, K] weight and
@@ -30,7 +31,10 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;     // rows of x per call (more: a matmul is the better tool)
+constexpr int64_t kMaxRows = 4;     // rows of x per call of the int8 GEMV (more: a matmul is the better tool)
+constexpr int64_t kMaxBf16Rows = 16;  // rows of x per call of the bf16 one (from 4: in tiles of up to 6)
+constexpr int64_t kRowTileMax = 6;    // rows of x per tile: 6 x 4 fp32 accumulators, 4 weight vectors, x's
+constexpr int64_t kPrefetchAhead = 512;  // weight elements each row is prefetched ahead by, from 4 rows of x
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
 
@@ -87,7 +91,7 @@ bool supported(const at::Tensor& x, const at::Tensor& weight) {
 #if defined(__AVX512BF16__)
   return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
          weight.is_contiguous() && weight.size(1) % 32 == 0 && x.size(-1) == weight.size(1) &&
-         x.numel() / x.size(-1) <= kMaxRows;
+         x.numel() / x.size(-1) <= kMaxBf16Rows;
 #else
   return false;
 #endif
@@ -125,10 +129,65 @@ void gemv_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64
     for (int m = 0; m < M; ++m) out[m * N + n] = _mm512_reduce_add_ps(acc[m]);
   }
 }
+
+// out[m][j] for MT rows of x from x (stride K) and NB weight rows from w (stride K), all
+// of K; out's rows N apart. For 4 to 16 rows of x: each band of weight rows streams from
+// memory for the first tile of x's rows and is read again from L1/L2 for the others.
+// More instructions a byte than one row's loop, so fewer bytes in flight: the weight is
+// prefetched ahead (measured, 8-16 rows: 5-8% faster).
+template <int MT, int NB>
+inline void tile_by_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, float* out) {
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) out[m * N + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+template <int NB>
+inline void tile_rows(int64_t rows, const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, float* out) {
+  switch (rows) {
+    case 1: return tile_by_band<1, NB>(x, w, K, N, out);
+    case 2: return tile_by_band<2, NB>(x, w, K, N, out);
+    case 3: return tile_by_band<3, NB>(x, w, K, N, out);
+    case 4: return tile_by_band<4, NB>(x, w, K, N, out);
+    case 5: return tile_by_band<5, NB>(x, w, K, N, out);
+    default: return tile_by_band<kRowTileMax, NB>(x, w, K, N, out);
+  }
+}
+
+// weight rows [n0, n1) for all M rows of x, in tiles of near-equal size (8 rows: 4 + 4)
+void tiled_band(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                float* out) {
+  const int64_t tiles = (M + kRowTileMax - 1) / kRowTileMax;
+  for (int64_t n = n0; n < n1;) {
+    const bool band = n + kBand <= n1;
+    for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+      const int64_t rows = (M - m0) / (tiles - t);
+      if (band)
+        tile_rows<kBand>(rows, x + m0 * K, w + n * K, K, N, out + m0 * N + n);
+      else
+        tile_rows<1>(rows, x + m0 * K, w + n * K, K, N, out + m0 * N + n);
+      m0 += rows;
+    }
+    n += band ? kBand : 1;
+  }
+}
 #endif
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x of at most 4 rows, a contiguous bf16 weight [N, K] with "
+  TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x of at most 16 rows, a contiguous bf16 weight [N, K] with "
               "K a multiple of 32, on a CPU with AVX512-BF16");
   const int64_t K = weight.size(1), N = weight.size(0);
   const int64_t M = x.numel() / K;
@@ -143,7 +202,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
       case 1: gemv_band<1>(xp, wp, K, N, n0, n1, op); break;
       case 2: gemv_band<2>(xp, wp, K, N, n0, n1, op); break;
       case 3: gemv_band<3>(xp, wp, K, N, n0, n1, op); break;
-      default: gemv_band<4>(xp, wp, K, N, n0, n1, op); break;
+      default: tiled_band(xp, wp, M, K, N, n0, n1, op); break;
     }
   });
 #endif
