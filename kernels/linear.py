@@ -1,10 +1,11 @@
 """Linear layers, optionally on a prepacked copy of the weight, and the gated activation
 between a gated MLP's two matmuls.
 
-On CPU a weight can be reordered once into oneDNN's blocked layout. For the row counts
-of batched decode (8-64 tokens) a matmul on it runs 1.5-2x faster than `F.linear` on the
-plain weight, and as fast for long prefills; for one to a few rows (a single stream
-decoding) the plain weight is faster. So a packed layer keeps both and picks by row count.
+On CPU a weight can be reordered once into oneDNN's blocked layout. A matmul on it runs
+faster than `F.linear` on the plain weight at every row count measured (fp32 decoding
+3-8x, bf16 batched decode 1.3-2x) and as fast for long prefills; only vlmserve's bf16 GEMV
+on the plain weight beats it, at one to three rows. So a packed layer keeps both and picks
+by row count.
 For one to three rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
 matrix-vector product bound by how fast the weight streams from memory: vlmserve's own
 kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half;
@@ -23,17 +24,19 @@ from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
 from vlmserve.kernels.registry import register
 
-# From this many rows on, oneDNN's packed copy where a layer has one: below, the bf16 GEMV on
-# the plain weight is faster (1-3 rows: 13.1-16.4 against 15.1-17.3 ms for a 3B layer's
-# matrices x 4); from 4 rows the packed copy (4-7 rows: 14.6-18.3 ms, the GEMV 16.2-17.3 at
-# 4, F.linear on the plain weight 22.5-24.3; AMD EPYC, 2 threads)
-PACKED_MIN_ROWS = 4
+# Up to this many rows the bf16 GEMV on the plain weight beats oneDNN's packed copy (1-3
+# rows: 13.1-16.4 against 15.1-17.3 ms for a 3B layer's matrices x 4; at 4 rows the packed
+# copy 14.6-16.7 against 16.2-17.3). Wherever the GEMV does not apply, a layer's packed copy
+# beats F.linear on the plain weight at every row count measured: bf16 4-7 rows 14.6-18.3
+# against 22.5-24.3 ms, fp32 1-4 rows 4.5-5.8 against 13.7-45 ms for one layer's matrices
+# (AMD EPYC, 2 threads)
+GEMV_OVER_PACKED_ROWS = 3
 GEMV_MAX_ROWS = 4  # the int8 matrix-vector kernel's rows (csrc/gemv.cpp)
 # Up to this, the bf16 GEMV takes a layer with no packed copy (a model too large to keep
 # one): 4 to 16 rows in tiles, 1.2-1.3x F.linear on the plain weight (measured as above;
 # about even at 24-32 rows, where F.linear's matmul takes over)
 BF16_GEMV_MAX_ROWS = 16
-# From PACKED_MIN_ROWS up to this, AMX tiles on the plain weight (csrc/amx_linear.cpp) where
+# Past GEMV_OVER_PACKED_ROWS up to this, AMX tiles on the plain weight (csrc/amx_linear.cpp) where
 # the CPU has AMX-BF16: a batched decode step at 8-16 rows 1.1-1.5x faster in the engine than
 # on oneDNN's packed copy, about even at 32-48, slower at 64 (measured, Qwen2.5-VL-3B widths)
 AMX_MAX_ROWS = 32
@@ -76,11 +79,11 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     gemv = 0 < rows <= BF16_GEMV_MAX_ROWS and _gemv_fits(x, weight)
-    if gemv and rows < PACKED_MIN_ROWS:
+    if gemv and rows <= GEMV_OVER_PACKED_ROWS:
         return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
     if 0 < rows <= AMX_MAX_ROWS and _amx_fits(x, weight):
         return torch.ops.vlmserve_cpu.amx_linear(x, weight, bias)
-    if packed is not None and rows >= PACKED_MIN_ROWS:
+    if packed is not None and rows > 0:
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     if gemv:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from vlmserve.kernels import gdn
 from vlmserve.kernels.attention import build_attention_metadata
-from vlmserve.kernels.linear import PACKED_MIN_ROWS
+from vlmserve.kernels.linear import GEMV_OVER_PACKED_ROWS
 from vlmserve.models.layers import Linear
 
 
@@ -198,7 +198,7 @@ def test_paged_attention_at_the_head_sizes_of_released_models(d, dtype):
         start += n
 
 
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 32, 300])
+@pytest.mark.parametrize("rows", [1, GEMV_OVER_PACKED_ROWS, GEMV_OVER_PACKED_ROWS + 1, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_plain_linear(rows, bias):
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=0.05, rtol=1e-2)
-    amx = rows >= linear.PACKED_MIN_ROWS and cpu_extension.has_amx()  # AMX's kernel takes these there
+    amx = rows > linear.GEMV_OVER_PACKED_ROWS and cpu_extension.has_amx()  # AMX's kernel takes these there
     uses_kernel = (rows <= linear.BF16_GEMV_MAX_ROWS and not amx and cpu_extension.has_bf16_dot()
                    and cpu_extension.available())
     if uses_kernel:
@@ -257,6 +257,26 @@ def test_packing_is_skipped_when_the_copy_would_not_fit():
     assert all(m.packed_weight is None for m in model)
     assert model_loader.pack_linear_weights(model) == 2 * 64 * 64 * 4
     assert all(m.packed_weight is not None for m in model)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dtype):
+    """The output head that shares the embedding table is packed like the layers (fp32
+    decoding and bf16 batches run on the packed copy), and still reads the table's values."""
+    from vlmserve.kernels import kernel_table
+    from vlmserve.testing.checkpoints import build_qwen2_5_vl
+    from vlmserve.worker.model_loader import load_model
+
+    path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
+    model, _ = load_model(path, dtype, kernel_table("cpu"))
+    table = model.model.language_model.embed_tokens.weight
+    assert model.lm_head.weight is table and model.lm_head.packed_weight is not None
+    for rows in (1, 8):
+        hidden = torch.randn(rows, table.shape[1]).to(table.dtype)
+        want = F.linear(hidden.float(), table.float())
+        torch.testing.assert_close(model.compute_logits(hidden).float(), want, atol=0.05, rtol=1e-2)
+    unpacked, _ = load_model(path, dtype, kernel_table("cpu"), pack_weights=False)
+    assert unpacked.lm_head is None  # no copy asked for: the table serves as the head
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 150])
