@@ -49,6 +49,7 @@ namespace {
 constexpr int kTileTokens = 16;  // query tokens per work item
 constexpr int kRows = 4;         // rows computed together (register tile)
 constexpr int kReadAheadRows = 12;
+constexpr int64_t kPrefetchBlocks = 2;  // blocks of keys and values asked for ahead of the one in use
 // the running maximum of a row before any key (exp_approx of anything below -87 is 0)
 constexpr float kNoScore = -1e30f;
 
@@ -294,8 +295,13 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     const int64_t block = block_table[b];
     const scalar_t* keys = k_cache + (block * kv_heads + w.kv_head) * block_elems;
     const scalar_t* values = v_cache + (block * kv_heads + w.kv_head) * block_elems;
-    if (b < last_pos / bs) {  // the next block of this head: a random place in memory
-      const int64_t next = (block_table[b + 1] * kv_heads + w.kv_head) * block_elems;
+    // the next two blocks of this head (each a random place in memory) are asked for at
+    // every block, so each block twice, two ahead and one ahead: a decode step of 256
+    // sequences ran 1.13x faster than with the next block alone (1.3x with their blocks
+    // scattered), 32 sequences of ~1,100 tokens at heads of 128 1.25x; asking once, two
+    // blocks ahead, gained nothing (AMD EPYC, 2 threads)
+    for (int64_t nb = b + 1; nb <= std::min(b + kPrefetchBlocks, last_pos / bs); ++nb) {
+      const int64_t next = (block_table[nb] * kv_heads + w.kv_head) * block_elems;
       const char* nk = reinterpret_cast<const char*>(k_cache + next);
       const char* nv = reinterpret_cast<const char*>(v_cache + next);
       for (int64_t off = 0; off < block_elems * int64_t(sizeof(scalar_t)); off += 64) {
