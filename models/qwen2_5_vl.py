@@ -63,7 +63,6 @@ class VisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.patch_embed(pixels.to(self.patch_embed.weight.dtype))
         unit = self.merge * self.merge
-        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq)
         frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
         order, window_lens = vision_windows(grid_thw, self.merge, self.window_units)
         order = order.to(x.device)
@@ -71,7 +70,8 @@ class VisionTransformer(nn.Module):
         def by_window(y: torch.Tensor) -> torch.Tensor:
             return y.view(-1, unit, y.shape[-1])[order].reshape(-1, y.shape[-1])
 
-        x, cos, sin = by_window(x), by_window(cos), by_window(sin)
+        x = by_window(x)
+        cos, sin = vision_rotary_cos_sin(grid_thw, self.merge, self.inv_freq, reorder=by_window)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_lens if i in self.full_blocks else window_lens)
         return self.merger(x)[torch.argsort(order)]

@@ -3,6 +3,8 @@ attention within packed frames or windows, the 2x2 patch merger of Qwen2-VL/2.5-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,10 +24,15 @@ def vision_rotary_positions(grid_thw: list[tuple[int, int, int]], merge: int) ->
     return torch.cat(out)
 
 
-def vision_rotary_cos_sin(grid_thw: list[tuple[int, int, int]], merge: int,
-                          inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """2-D rotary angles of every patch: the row's frequencies, then the column's, twice."""
+def vision_rotary_cos_sin(grid_thw: list[tuple[int, int, int]], merge: int, inv_freq: torch.Tensor,
+                          reorder: Callable[[torch.Tensor], torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D rotary angles of every patch: the row's frequencies, then the column's, twice. With
+    `reorder`, in the patch order it gives the positions (a tower attending by windows):
+    reordering the positions costs less than reordering the tables."""
     rc = vision_rotary_positions(grid_thw, merge).to(inv_freq.device)
+    if reorder is not None:
+        rc = reorder(rc)
     freqs = (rc[:, :, None].float() * inv_freq[None, None, :]).flatten(1)  # [n, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
