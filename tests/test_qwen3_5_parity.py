@@ -83,6 +83,21 @@ def system_prompt_request(hf, question, images):
     return {"prompt": prompt, "multi_modal_data": {"image": images}}, prompt
 
 
+def test_requests_about_one_picture_together_share_its_recurrent_state(qwen35_path, hf_qwen35):
+    """Submitted together, the second request waits a step for the state of the prefix the
+    first computes (instead of computing the picture again), and both give transformers'
+    answers."""
+    llm = LLM(qwen35_path, num_kv_blocks=256)
+    pairs = [system_prompt_request(hf_qwen35, question, [IMG_A])
+             for question in ("Describe the image.", "How many shapes are there?")]
+    outs = llm.generate([req for req, _ in pairs], greedy(12))
+    assert outs[0].num_cached_tokens == 0
+    assert outs[1].num_cached_tokens >= max(f.end for f in _features(llm, pairs[1][0])) // 16 * 16
+    for out, (_, prompt) in zip(outs, pairs):
+        assert out.outputs[0].token_ids == hf_qwen35.generate(prompt, [IMG_A], 12)[0]
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("images", [[IMG_A], [IMG_A, IMG_B]], ids=["one_image", "two_images"])
 def test_prefix_cache_hits_for_the_recurrent_state(qwen35_path, hf_qwen35, images):
     """Same system prompt + picture(s), another question: the second request resumes

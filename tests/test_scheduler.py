@@ -8,7 +8,7 @@ import torch
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
-from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, group_layers
+from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, group_layers
 from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.core.sched_output import ModelRunnerOutput
 from vlmserve.core.scheduler import Scheduler
@@ -20,11 +20,14 @@ BS = 4
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, budget=32, max_seqs=8, window=None, enc_budget=64, enc_cache=64, max_len=512):
+def make_scheduler(num_blocks=64, budget=32, max_seqs=8, window=None, enc_budget=64, enc_cache=64, max_len=512,
+                   state_slots=0):
     specs = {0: FullAttentionSpec(BS, 1, 4, torch.float32)}
     if window:
         specs[1] = SlidingWindowSpec(BS, 1, 4, torch.float32, sliding_window=window)
-    config = KVCacheConfig(num_blocks, group_layers(specs))
+    if state_slots:  # a hybrid model: a recurrent layer too
+        specs[2] = MambaSpec(BS, (2, 3), (1, 2, 2), torch.float32)
+    config = KVCacheConfig(num_blocks, group_layers(specs), num_state_slots=state_slots)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
         encoder_compute_budget=enc_budget, encoder_cache_size=enc_cache,
@@ -253,6 +256,29 @@ def test_prefix_cache_hit_for_a_shared_prefix():
     run_to_completion(sched, runner)
     assert b.num_cached_tokens == 28  # 7 full blocks; the last token is always recomputed
     assert c.num_cached_tokens == 4  # only the block before the image
+    assert_everything_free(sched)
+
+
+def test_a_hybrid_request_waits_a_step_for_the_prefix_another_computes_in_it():
+    """Two requests with one prompt, together: the recurrent state of their shared prefix
+    is shared only once the step that computes it ends, so the second waits for it
+    instead of computing the picture again; a third about another picture goes ahead."""
+    sched = make_scheduler(budget=128, state_slots=16)
+    runner = FakeRunner(sched)
+    same = [make_request(rid, 30, 2, [("img", 4, 12)], seed=3) for rid in ("a", "b")]
+    other = make_request("c", 30, 2, [("other", 4, 12)], seed=3)
+    for request in (*same, other):
+        request.cache_points = [16, 28]  # after the picture, and the prompt's end rounded down
+        sched.add_request(request)
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"a", "c"}  # b is held back
+    sched.update_from_output(so, runner.execute(so))
+    run_to_completion(sched, runner)
+    b = same[1]
+    assert b.num_cached_tokens == 28  # the same prompt: resumed from the state at its last cache point
+    assert runner.encoded.count("img") == 1
+    assert same[0].num_cached_tokens == other.num_cached_tokens == 0
+    assert all(r.is_finished() for r in (*same, other))
     assert_everything_free(sched)
 
 

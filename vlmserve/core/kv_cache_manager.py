@@ -82,6 +82,12 @@ class KVCacheManager:
             # sliding-window hit is not simply a prefix of a longer one
             length = shortest
 
+    def longer_hit_next_step(self, request: Request, hit: PrefixHit) -> bool:
+        """Whether the request's prefix hit grows once this step ends: a recurrent state
+        of a longer prefix is snapshotted by it (attention blocks are shared within the
+        step, a recurrent state only after it)."""
+        return self.states is not None and self.states.snapshot_pending(request, hit.num_tokens)
+
     def _by_group(self, lengths: list[int]) -> list[int]:
         """Hit lengths listed attention groups first, recurrent last -> config order."""
         out = [0] * len(self.config.groups)

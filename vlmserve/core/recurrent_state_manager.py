@@ -49,6 +49,15 @@ class RecurrentStateManager:
         key = request.block_hashes[num_tokens // self.block_size - 1]
         return key in self.pool.snapshots or key in self.pool.pending
 
+    def snapshot_pending(self, request: Request, num_tokens: int) -> bool:
+        """Whether this step snapshots a state of this request's prefix past num_tokens (at
+        one of its cache points, for another request that computes the same tokens now)."""
+        if not self.enable_caching:
+            return False
+        return any(point > num_tokens and request.block_hashes[point // self.block_size - 1] in self.pool.pending
+                   for point in request.cache_points
+                   if point % self.block_size == 0 and point // self.block_size <= len(request.block_hashes))
+
     def next_cache_point(self, request: Request, start: int, end: int) -> int:
         """Where a step computing [start, end) must stop so that a snapshot can be taken
         (the state exists only at a step's end): the first cache point inside the range

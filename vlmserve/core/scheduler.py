@@ -263,14 +263,19 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Waiting requests, by priority then arrival, each after a prefix-cache lookup. A
         request whose LoRA adapter would be one more than the slots hold waits (the
-        others go ahead of it) until a running adapter's requests are done."""
-        waiting_for_lora = []
+        others go ahead of it) until a running adapter's requests are done; so does, for a
+        step, one whose prefix another request computes in this step (a hybrid model's
+        state is shared only once the step ends: computing it twice would waste a prompt)."""
+        held_back = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if not self._lora_fits(request):
-                waiting_for_lora.append(self.waiting.pop())
+                held_back.append(self.waiting.pop())
                 continue
             hit = self.kv_cache_manager.find_prefix_hit(request)
+            if self.kv_cache_manager.longer_hit_next_step(request, hit):
+                held_back.append(self.waiting.pop())
+                continue
             num_new, to_encode, cost = self._plan_tokens(request, hit.num_tokens, plan)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit, self.config.num_lookahead_tokens) \
                 if num_new else None
@@ -287,7 +292,7 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
                 self.kv_cache_manager.record_hit(request, hit)
             plan.add(request, num_new, to_encode, cost, blocks, new=True)
-        for request in waiting_for_lora:
+        for request in held_back:
             self.waiting.add(request)
 
     def _lora_fits(self, request: Request) -> bool:
