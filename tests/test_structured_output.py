@@ -284,6 +284,16 @@ def test_min_p_penalties_bias_and_bad_words_end_to_end(llm):
     assert_nothing_left(llm)
 
 
+def test_a_grammar_that_admits_only_a_bad_word_wins(llm):
+    """A regex whose only answer is a bad word: the answer matches the regex (the format
+    asked for wins), where banning it too would leave no token (a fuzzed request's 500)."""
+    tok = llm.get_tokenizer()
+    out = llm.generate(["0"], SamplingParams(temperature=0.0, max_tokens=8, bad_words=["0"],
+                                             structured_outputs=constrained(regex="0")))[0].outputs[0]
+    assert out.finish_reason == "stop" and tok.decode(out.token_ids, skip_special_tokens=True) == "0"
+    assert_nothing_left(llm)
+
+
 # -- tool-call blocks -------------------------------------------------------------------------------
 def test_tool_call_blocks_parse_and_stream():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'

@@ -90,7 +90,8 @@ def _banned_tokens(batch: InputBatch, row: int, state: CachedRequestState, eos_t
                    grammar_mask: torch.Tensor | None) -> list[int]:
     """EOS and stop tokens while below min_tokens, unless the request's grammar admits
     nothing else (its answer is complete: the grammar wins); bad words: a one-token word
-    always, a longer one's last token when the output ends with the rest of it."""
+    always, a longer one's last token when the output ends with the rest of it, unless
+    they are all the grammar admits (again the grammar wins)."""
     p = state.sampling_params
     banned = []
     if state.num_output_tokens < p.min_tokens:
@@ -98,12 +99,15 @@ def _banned_tokens(batch: InputBatch, row: int, state: CachedRequestState, eos_t
         if grammar_mask is None or _allows_other_than(grammar_mask, stops):
             banned += stops
     n_prompt, n_tokens = state.num_prompt_tokens, int(batch.num_tokens[row])
+    bad = []
     for word in p.bad_words_token_ids:
         prefix = word[:-1]
         if len(prefix) <= n_tokens - n_prompt and (
                 not prefix or batch.token_ids[row, n_tokens - len(prefix) : n_tokens].tolist() == prefix):
-            banned.append(word[-1])
-    return banned
+            bad.append(word[-1])
+    if bad and grammar_mask is not None and not _allows_other_than(grammar_mask, banned + bad):
+        return banned  # the grammar admits nothing but bad words here: the format asked for wins
+    return banned + bad
 
 
 def _allows_other_than(bitmask_row: torch.Tensor, token_ids: list[int]) -> bool:
