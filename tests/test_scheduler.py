@@ -267,18 +267,21 @@ def test_a_hybrid_request_waits_a_step_for_the_prefix_another_computes_in_it():
     runner = FakeRunner(sched)
     same = [make_request(rid, 30, 2, [("img", 4, 12)], seed=3) for rid in ("a", "b")]
     other = make_request("c", 30, 2, [("other", 4, 12)], seed=3)
-    for request in (*same, other):
+    # one that asks for prompt logprobs computes every prompt token anyway: it never waits
+    every = make_request("d", 30, 2, [("img", 4, 12)], seed=3)
+    every.sampling_params.prompt_logprobs = 1
+    for request in (*same, other, every):
         request.cache_points = [16, 28]  # after the picture, and the prompt's end rounded down
         sched.add_request(request)
     so = sched.schedule()
-    assert set(so.num_scheduled_tokens) == {"a", "c"}  # b is held back
+    assert set(so.num_scheduled_tokens) == {"a", "c", "d"}  # b is held back
     sched.update_from_output(so, runner.execute(so))
     run_to_completion(sched, runner)
     b = same[1]
     assert b.num_cached_tokens == 28  # the same prompt: resumed from the state at its last cache point
-    assert runner.encoded.count("img") == 1
-    assert same[0].num_cached_tokens == other.num_cached_tokens == 0
-    assert all(r.is_finished() for r in (*same, other))
+    assert runner.encoded.count("img") == 2  # for a and d, in the first step; never for b
+    assert same[0].num_cached_tokens == other.num_cached_tokens == every.num_cached_tokens == 0
+    assert all(r.is_finished() for r in (*same, other, every))
     assert_everything_free(sched)
 
 

@@ -86,7 +86,9 @@ class KVCacheManager:
         """Whether the request's prefix hit grows once this step ends: a recurrent state
         of a longer prefix is snapshotted by it (attention blocks are shared within the
         step, a recurrent state only after it)."""
-        return self.states is not None and self.states.snapshot_pending(request, hit.num_tokens)
+        if self.states is None or request.computes_every_prompt_token:  # it takes no hit: waiting gains nothing
+            return False
+        return self.states.snapshot_pending(request, hit.num_tokens)
 
     def _by_group(self, lengths: list[int]) -> list[int]:
         """Hit lengths listed attention groups first, recurrent last -> config order."""
