@@ -279,6 +279,23 @@ def varlen_attention(
     return o.reshape(n, heads, d)
 
 
+
+def _bf16_dot_kernels() -> bool:
+    return cpu_extension.has_bf16_dot() and cpu_extension.available()
+
+
+@register("varlen_attention", "cpu", available=_bf16_dot_kernels)
+def varlen_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
+    """bf16: the C++ kernel (kernels/csrc/varlen_attention.cpp), both products on the CPU's
+    bf16 dot product, where torch's flash attention runs at fp32 speed; other dtypes: torch."""
+    if q.dtype != torch.bfloat16:
+        return varlen_attention(q, k, v, seq_lens, scale)
+    cu_seqlens = torch.from_numpy(np.cumsum([0, *seq_lens]))
+    return torch.ops.vlmserve_cpu.varlen_attention(q, k, v, cu_seqlens, scale)
+
+
 # padded attention may do at most this many times the work of the sequences' own
 PADDING_LIMIT = 1.5
 

@@ -428,3 +428,33 @@ def test_varlen_attention_attends_within_each_sequence(seq_lens):
         ref = dense_attention(q[rows], k[rows], v[rows], 0.25, key_ends=[length - 1] * length)
         torch.testing.assert_close(out[rows].double(), ref, atol=2e-5, rtol=2e-5)
         start += length
+
+
+@pytest.mark.parametrize("heads,head_dim,seq_lens", [
+    (16, 80, [64, 64, 48, 64, 17]),  # Qwen2.5-VL's windows, edge windows shorter
+    (2, 80, [700]),  # a frame past the kernel's query and key blocks (64, 256)
+    (3, 72, [5, 300, 1]),  # Qwen3-VL's head size: a part of a 16-lane group
+    (2, 128, [33, 257]),  # more output lanes than the registers hold at once
+])
+def test_bf16_varlen_attention_kernel(heads, head_dim, seq_lens):
+    """The C++ kernel for bf16 (both products on AVX512-BF16's dot product): each sequence
+    attended both ways on its own, from views of one qkv tensor (strided rows), as close
+    to the float64 reference as torch's own bf16 attention is."""
+    from vlmserve.kernels import attention, cpu_extension
+
+    if not (cpu_extension.available() and cpu_extension.has_bf16_dot()):
+        pytest.skip("the kernel needs AVX512-BF16")
+    torch.manual_seed(head_dim)
+    n, scale = sum(seq_lens), head_dim**-0.5
+    q, k, v = torch.randn(n, 3, heads, head_dim, dtype=torch.bfloat16).unbind(1)
+    out = attention.varlen_attention_cpu(q, k, v, seq_lens, scale)
+    own = attention.varlen_attention(q, k, v, seq_lens, scale)  # torch's, in bf16
+    assert out.dtype == torch.bfloat16 and out.shape == (n, heads, head_dim)
+    start = 0
+    for length in seq_lens:
+        rows = slice(start, start + length)
+        ref = dense_attention(q[rows].double(), k[rows].double(), v[rows].double(), scale,
+                              key_ends=[length - 1] * length)
+        torch_error = (own[rows].double() - ref).abs().max().item()
+        assert (out[rows].double() - ref).abs().max().item() <= 1.5 * torch_error + 1e-3
+        start += length
