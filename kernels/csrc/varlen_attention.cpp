@@ -54,7 +54,7 @@ inline void score_tile(const uint32_t* q_pairs, int64_t half_d, const uint32_t* 
     for (int c = 0; c < NC; ++c) keys[c] = (__m512bh)_mm512_loadu_si512(kp + p * lp + 16 * c);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh qr = (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[r * half_d + p]));
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qr, keys[c]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], keys[c], qr);
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -74,7 +74,7 @@ inline void value_tile(const uint32_t* p_pairs, int64_t pairs, const uint32_t* v
     for (int c = 0; c < NC; ++c) values[c] = (__m512bh)_mm512_loadu_si512(vp + jj * dp + 16 * c);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pairs[r * (kBlockK / 2) + jj]));
-      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, values[c]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], values[c], pr);
     }
   }
   for (int r = 0; r < kRows; ++r)
