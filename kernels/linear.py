@@ -40,6 +40,12 @@ BF16_GEMV_MAX_ROWS = 16
 # the CPU has AMX-BF16: a batched decode step at 8-16 rows 1.1-1.5x faster in the engine than
 # on oneDNN's packed copy, about even at 32-48, slower at 64 (measured, Qwen2.5-VL-3B widths)
 AMX_MAX_ROWS = 32
+# Output columns per block of the pair layout a bf16 layer's packed copy takes on CPUs with
+# AVX512-BF16 and no AMX (csrc/bf16_batch_linear.cpp): from 4 rows on, it streams the weight
+# once with the next 64 KB asked for ahead, where oneDNN's matmul on its own copy reads
+# and computes in turn (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC: 4-64 rows 1.05-1.5x;
+# prompts 128 rows at a time, about even at 0.9 TFLOP/s)
+PAIR_COLUMNS = 64
 
 
 @register("empty_streamed")
@@ -63,6 +69,13 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 @register("pack_linear_weight", "cpu")
 def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """bf16 on a CPU with AVX512-BF16 and no AMX: the pair layout of vlmserve's kernel
+    (`bf16_batch_linear.cpp`), on 2 MB pages; otherwise oneDNN's blocked layout."""
+    if _pairs_fit(weight):
+        n, k = weight.shape
+        packed = empty_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
+        torch.ops.vlmserve_cpu.bf16_pair_pack(weight.detach(), packed)
+        return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -84,6 +97,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if 0 < rows <= AMX_MAX_ROWS and _amx_fits(x, weight):
         return torch.ops.vlmserve_cpu.amx_linear(x, weight, bias)
     if packed is not None and rows > 0:
+        if packed.dim() == 4:  # the pair layout (pack_linear_weight_cpu)
+            return torch.ops.vlmserve_cpu.bf16_batch_linear(x, packed, bias)
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     if gemv:
@@ -94,6 +109,13 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _amx_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.shape[0] % 32 == 0
             and weight.shape[1] % 32 == 0 and weight.is_contiguous() and cpu_extension.has_amx())
+
+
+def _pairs_fit(weight: torch.Tensor) -> bool:
+    # with AMX, oneDNN's packed copy runs prompts on the tiles and the AMX kernel batches
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % PAIR_COLUMNS == 0
+            and weight.shape[1] % 2 == 0 and cpu_extension.has_bf16_dot() and cpu_extension.available()
+            and not cpu_extension.has_amx())
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -240,6 +240,32 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
             torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.05, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
+    """A packed bf16 layer from 4 rows on, on CPUs with AVX512-BF16 and no AMX: the pair
+    layout's kernel, over several blocks of 64 columns (split between the threads), two
+    chunks of input channels, row tiles of unequal sizes and, past 128 rows, several passes
+    over the weight: fp32 sums of the exact bf16 products, rounded to bf16 once. A layer
+    whose output size is no multiple of 64 keeps oneDNN's copy."""
+    from vlmserve.kernels import cpu_extension, linear
+
+    if not linear._pairs_fit(torch.empty(64, 2, dtype=torch.bfloat16)):
+        pytest.skip("the pair kernel needs AVX512-BF16 (and no AMX)")
+    torch.manual_seed(rows)
+    layer = Linear(1100, 3 * 64, bias=bias).to(torch.bfloat16)
+    layer.pack()
+    assert layer.packed_weight is not None and layer.packed_weight.shape == (3, 550, 64, 2)
+    x = torch.randn(2, rows, 1100).to(torch.bfloat16)[:1]  # a view: not contiguous in memory
+    got = layer(x)
+    want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 3 * 64)
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
+    odd = Linear(64, 100).to(torch.bfloat16)
+    odd.pack()
+    assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()
+
+
 def test_no_packed_layout_where_there_is_none():
     assert Linear(8, 8).pack() is None and Linear(8, 8).packed_weight is None  # not packed until asked
     half = Linear(8, 8).to(torch.float16)
