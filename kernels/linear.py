@@ -9,10 +9,12 @@ by row count.
 For one to three rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
 matrix-vector product bound by how fast the weight streams from memory: vlmserve's own
 kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half;
-from four rows oneDNN's packed copy is as fast, and the same kernel takes up to 16 rows of
+from four rows a packed copy is as fast, and the same kernel takes up to 16 rows of
 a layer too large to keep one. Up to 32 rows (a batch of decoding requests) on a CPU with
 AMX, vlmserve's AMX kernel (csrc/amx_linear.cpp) reads the plain weight once for all
-rows, as a decode step should.
+rows, as a decode step should. Without AMX, a bf16 layer's packed copy is vlmserve's pair
+layout instead of oneDNN's (csrc/bf16_batch_linear.cpp: the weight streamed with reads
+ahead, so that reading and computing overlap).
 """
 
 from __future__ import annotations
