@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #endif
 
+#include "dispatch.h"
+
 namespace {
 
 constexpr int64_t kCols = 64;          // output columns per weight block (4 vectors of 16)
@@ -61,18 +63,6 @@ inline void row_tile(const uint32_t* x_pairs, int64_t x_stride, const uint16_t* 
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(c_rows + r * kCols + 16 * c, acc[r][c]);
-}
-
-template <typename F>
-inline void by_rows(int rows, F&& f) {
-  switch (rows) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-  }
 }
 
 #endif
@@ -136,7 +126,7 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
               const int64_t r0 = block_rows * i / tiles, r1 = block_rows * (i + 1) / tiles;
               // the first row tile over a chunk asks for the stream ahead
               const char* ahead = i == 0 ? reinterpret_cast<const char*>(wc) + kAheadBytes : nullptr;
-              by_rows(static_cast<int>(r1 - r0), [&](auto r) {
+              vlmserve::with_constant<kRowTile>(static_cast<int>(r1 - r0), [&](auto r) {
                 row_tile<decltype(r)::value>(xp + (row0 + r0) * half + p0, half, wc, pairs, &c_rows[r0 * kCols],
                                              p0 == 0, ahead, my_end);
               });

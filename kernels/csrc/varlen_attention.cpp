@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dispatch.h"
 #include "vec_math.h"
 
 namespace {
@@ -79,17 +80,6 @@ inline void value_tile(const uint32_t* p_pairs, int64_t pairs, const uint32_t* v
   }
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * o_stride + 16 * c, acc[r][c]);
-}
-
-template <typename Tile>
-inline void by_width(int64_t groups, Tile&& tile) {
-  switch (groups) {
-    case 1: tile(std::integral_constant<int, 1>{}); break;
-    case 2: tile(std::integral_constant<int, 2>{}); break;
-    case 3: tile(std::integral_constant<int, 3>{}); break;
-    case 4: tile(std::integral_constant<int, 4>{}); break;
-    default: tile(std::integral_constant<int, 5>{}); break;
-  }
 }
 
 struct Layout {
@@ -148,7 +138,7 @@ void attend(const uint16_t* q, uint16_t* out, const Layout& l, int64_t begin, in
     const int64_t valid = std::min(kBlockK, len - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       for (int64_t c0 = 0; c0 < cols; c0 += 64)
-        by_width(std::min<int64_t>(4, (cols - c0) / 16), [&](auto nc) {
+        vlmserve::with_constant<4>(static_cast<int>((cols - c0) / 16), [&](auto nc) {
           score_tile<decltype(nc)::value>(&w.q_pairs[r0 * l.half_d], l.half_d, kp + j0 + c0, lp, &w.scores[c0],
                                           kBlockK);
         });
@@ -180,7 +170,7 @@ void attend(const uint16_t* q, uint16_t* out, const Layout& l, int64_t begin, in
       }
       const uint32_t* vblock = vp + (j0 / 2) * l.dp;
       for (int64_t g0 = 0; g0 < out_groups; g0 += kMaxCols)
-        by_width(std::min<int64_t>(kMaxCols, out_groups - g0), [&](auto nc) {
+        vlmserve::with_constant<kMaxCols>(static_cast<int>(out_groups - g0), [&](auto nc) {
           value_tile<decltype(nc)::value>(w.p_pairs.data(), cols / 2, vblock + 16 * g0, l.dp, &w.o[r0 * l.dp + 16 * g0],
                                           l.dp);
         });
