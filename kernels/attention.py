@@ -279,7 +279,6 @@ def varlen_attention(
     return o.reshape(n, heads, d)
 
 
-
 def _bf16_dot_kernels() -> bool:
     return cpu_extension.has_bf16_dot() and cpu_extension.available()
 
