@@ -261,6 +261,9 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
     want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 3 * 64)
     torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
+    if bias:  # a bias in fp32 is added to the fp32 sums as it is
+        got = torch.ops.vlmserve_cpu.bf16_batch_linear(x, layer.packed_weight, layer.bias.float() + 1e-3)
+        torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
     odd = Linear(64, 100).to(torch.bfloat16)
     odd.pack()
     assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()

@@ -27,6 +27,7 @@
 #endif
 
 #include "dispatch.h"
+#include "round_row.h"
 
 namespace {
 
@@ -99,9 +100,12 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
   const at::Tensor xc = x.reshape({-1, k}).contiguous();
   const int64_t rows = xc.size(0);
   at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  // the bias read in its own dtype (fp32, or bf16 as the layer's): no converted copy per call
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool fp32_bias = has_bias && bias->scalar_type() == at::kFloat;
+  const at::Tensor b = !has_bias ? at::Tensor() : (fp32_bias ? *bias : bias->to(at::kBFloat16)).contiguous();
+  const float* bias_f = fp32_bias ? b.data_ptr<float>() : nullptr;
+  const at::BFloat16* bias_h = has_bias && !fp32_bias ? b.data_ptr<at::BFloat16>() : nullptr;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -133,9 +137,11 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
             }
           }
           for (int64_t r = 0; r < block_rows; ++r) {
-            c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(op + (row0 + r) * n + b * kCols);
-            const float* src = &c_rows[r * kCols];
-            for (int64_t c = 0; c < kCols; ++c) dst[c] = c10::BFloat16(src[c] + (bp ? bp[b * kCols + c] : 0.f));
+            at::BFloat16* dst = reinterpret_cast<at::BFloat16*>(op + (row0 + r) * n + b * kCols);
+            if (bias_f != nullptr)
+              vlmserve::round_row(&c_rows[r * kCols], bias_f + b * kCols, dst, kCols);
+            else
+              vlmserve::round_row(&c_rows[r * kCols], bias_h ? bias_h + b * kCols : nullptr, dst, kCols);
           }
         }
       }

@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 
+#include "round_row.h"
+
 namespace {
 
 constexpr int64_t kMaxRows = 4;     // rows of x per call of the int8 GEMV (more: a matmul is the better tool)
@@ -38,35 +40,10 @@ constexpr int64_t kPrefetchAhead = 512;  // weight elements each row is prefetch
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
 
-// The fp32 products [M, N] plus the bias, in x's dtype and shape (its last size N): one
-// plain loop, the bias read in its own dtype (x's or fp32), rather than ATen's add and
-// conversion (two ops and a converted bias per call: per layer and step in a decode).
-template <typename out_t, typename bias_t>
-void round_row(const float* acc, const bias_t* bias, out_t* out, int64_t N) {
-  int64_t n = 0;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<out_t, at::BFloat16>) {  // 16 at a time, rounded to nearest even as c10's
-    for (; n + 16 <= N; n += 16) {
-      __m512 v = _mm512_loadu_ps(acc + n);
-      if (bias) {
-        if constexpr (std::is_same_v<bias_t, float>) {
-          v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-        } else {
-          const __m256i b16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n));
-          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
-        }
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
-#endif
-  for (; n < N; ++n) out[n] = static_cast<out_t>(acc[n] + (bias ? static_cast<float>(bias[n]) : 0.f));
-}
-
 template <typename out_t, typename bias_t>
 void round_rows(const float* acc, const bias_t* bias, out_t* out, int64_t M, int64_t N) {
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / N), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) round_row(acc + m * N, bias, out + m * N, N);
+    for (int64_t m = m0; m < m1; ++m) vlmserve::round_row(acc + m * N, bias, out + m * N, N);
   });
 }
 
