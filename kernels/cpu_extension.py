@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp",
                                     "amx_linear.cpp", "varlen_attention.cpp", "bf16_batch_linear.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h"]
+HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC / "bf16_gemv_avx2.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
 # then ran on one thread at half speed (measured). exp is the kernels' own (vec_math.h).
@@ -43,6 +43,14 @@ def _cpu_flags() -> str:
 def has_bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16 (the kernels built with -march=native use it)."""
     return "avx512_bf16" in _cpu_flags().split()
+
+
+@functools.cache
+def widens_bf16() -> bool:
+    """Whether bf16 layers take the kernels' AVX2 path: a CPU with AVX2 and FMA but no
+    AVX512-BF16, where bf16 weights widen to fp32 in registers (csrc/bf16_gemv_avx2.h)."""
+    flags = _cpu_flags().split()
+    return "avx2" in flags and "fma" in flags and not has_bf16_dot() and available()
 
 
 @functools.cache

@@ -15,6 +15,10 @@ AMX, vlmserve's AMX kernel (csrc/amx_linear.cpp) reads the plain weight once for
 rows, as a decode step should. Without AMX, a bf16 layer's packed copy is vlmserve's pair
 layout instead of oneDNN's (csrc/bf16_batch_linear.cpp: the weight streamed with reads
 ahead, so that reading and computing overlap).
+A CPU without AVX512-BF16 (AVX2: AMD Zen 2/3, Intel client cores) has no bf16 arithmetic,
+and oneDNN no bf16 matmul there (torch's runs at a tenth of fp32's speed): a bf16 layer
+keeps no packed copy, up to 64 rows run on the GEMV's AVX2 path (the weight widened to
+fp32 in registers), and more rows on fp32 matmuls over the weight widened a block at a time.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ AMX_MAX_ROWS = 32
 # and computes in turn (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC: 4-64 rows 1.05-1.5x;
 # prompts 128 rows at a time, about even at 0.9 TFLOP/s)
 PAIR_COLUMNS = 64
+# Up to this, the AVX2 GEMV (csrc/bf16_gemv_avx2.h) on CPUs without AVX512-BF16: 1.6-3.3x
+# torch's bf16 F.linear at 1-16 rows, 1.6-1.8x the widened fp32 matmul at 32-64, about even
+# at 128-256 (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC Zen 3)
+WIDENING_GEMV_MAX_ROWS = 64
+WIDEN_BLOCK = 1 << 23  # weights widened to fp32 per matmul (32 MB: one buffer, reused)
 
 
 @register("empty_streamed")
@@ -80,6 +89,8 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # oneDNN has no bf16 matmul on this CPU
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
@@ -93,6 +104,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if x.dtype == torch.bfloat16 and _widening_fits(weight) and rows > 0:
+        if rows <= WIDENING_GEMV_MAX_ROWS:
+            return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
+        return _linear_widened(x, weight, bias)
     gemv = 0 < rows <= BF16_GEMV_MAX_ROWS and _gemv_fits(x, weight)
     if gemv and rows <= GEMV_OVER_PACKED_ROWS:
         return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
@@ -108,6 +123,26 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
+_widened: list[torch.Tensor] = []  # one fp32 buffer for every layer's widened weight block
+
+
+def _linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for bf16 x and W as fp32 matmuls, W widened a block of rows at a time into
+    one reused buffer (a 151,936-row head widened whole would take 1.2 GB); one rounding."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    n, k = weight.shape
+    step = max(1, WIDEN_BLOCK // k)
+    if not _widened or _widened[0].numel() < min(n, step) * k:
+        _widened[:] = [torch.empty(min(n, step) * k)]
+    out = torch.empty(flat.shape[0], n)
+    for n0 in range(0, n, step):
+        block = weight[n0 : n0 + step]
+        torch.mm(flat, _widened[0][: block.numel()].view(block.shape).copy_(block).t(), out=out[:, n0 : n0 + step])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
 def _amx_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and weight.shape[0] % 32 == 0
             and weight.shape[1] % 32 == 0 and weight.is_contiguous() and cpu_extension.has_amx())
@@ -118,6 +153,11 @@ def _pairs_fit(weight: torch.Tensor) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % PAIR_COLUMNS == 0
             and weight.shape[1] % 2 == 0 and cpu_extension.has_bf16_dot() and cpu_extension.available()
             and not cpu_extension.has_amx())
+
+
+def _widening_fits(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
+            and weight.is_contiguous() and cpu_extension.widens_bf16())
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

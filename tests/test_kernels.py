@@ -212,12 +212,13 @@ def test_packed_linear_equals_plain_linear(rows, bias):
     torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 13, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 13, 16, 17, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     """Up to 16 rows of a bf16 layer with no packed copy take the matrix-vector kernel
-    (AVX512-BF16 CPUs; from 4 rows in tiles of rows, of unequal sizes at 13): fp32 sums of
-    the exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
+    (AVX512-BF16 CPUs; from 4 rows in tiles of rows, of unequal sizes at 13), up to 64 on
+    AVX2 CPUs (the weight widened in registers; tiles of up to 3 rows): fp32 sums of the
+    exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
     from vlmserve.kernels import cpu_extension, linear
 
     torch.manual_seed(0)
@@ -231,13 +232,34 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=1e-2)
     torch.testing.assert_close(got, F.linear(x, weight, b), atol=0.05, rtol=1e-2)
     amx = rows > linear.GEMV_OVER_PACKED_ROWS and cpu_extension.has_amx()  # AMX's kernel takes these there
-    uses_kernel = (rows <= linear.BF16_GEMV_MAX_ROWS and not amx and cpu_extension.has_bf16_dot()
-                   and cpu_extension.available())
+    uses_kernel = ((rows <= linear.BF16_GEMV_MAX_ROWS and not amx and cpu_extension.has_bf16_dot()
+                    and cpu_extension.available())
+                   or (rows <= linear.WIDENING_GEMV_MAX_ROWS and cpu_extension.widens_bf16()))
     if uses_kernel:
         torch.testing.assert_close(got, torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b), atol=0, rtol=0)
         if b is not None:  # a bias in fp32 is added to the fp32 sums as it is
             got = torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b.float() + 1e-3)
             torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.05, rtol=1e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_rows_past_the_avx2_gemv_run_as_fp32_matmuls_over_widened_blocks(monkeypatch, bias):
+    """On CPUs without AVX512-BF16, more rows than the AVX2 GEMV takes run as fp32 matmuls
+    over the bf16 weight widened a block of rows at a time (here three blocks, the last
+    short), the bias added before the one rounding."""
+    from vlmserve.kernels import cpu_extension, linear
+
+    if not cpu_extension.widens_bf16():
+        pytest.skip("the widening path is for CPUs with AVX2 and no AVX512-BF16")
+    monkeypatch.setattr(linear, "WIDEN_BLOCK", 64 * 320)
+    torch.manual_seed(0)
+    weight = torch.randn(150, 320).to(torch.bfloat16)
+    b = torch.randn(150).to(torch.bfloat16) if bias else None
+    x = torch.randn(3, linear.WIDENING_GEMV_MAX_ROWS, 320).to(torch.bfloat16)
+    got = linear.linear_cpu(x, weight, b)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, linear.WIDENING_GEMV_MAX_ROWS, 150)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # at most a last bit apart (summation order)
 
 
 @pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300])
@@ -299,7 +321,9 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
     model, _ = load_model(path, dtype, kernel_table("cpu"))
     table = model.model.language_model.embed_tokens.weight
-    assert model.lm_head.weight is table and model.lm_head.packed_weight is not None
+    assert model.lm_head.weight is table
+    if dtype == "float32" or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # else oneDNN has no bf16 matmul
+        assert model.lm_head.packed_weight is not None
     for rows in (1, 8):
         hidden = torch.randn(rows, table.shape[1]).to(table.dtype)
         want = F.linear(hidden.float(), table.float())

@@ -27,6 +27,9 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "bf16_gemv_avx2.h"
+#define VLMSERVE_AVX2_GEMV
 #endif
 
 #include "round_row.h"
@@ -69,6 +72,9 @@ bool supported(const at::Tensor& x, const at::Tensor& weight) {
   return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
          weight.is_contiguous() && weight.size(1) % 32 == 0 && x.size(-1) == weight.size(1) &&
          x.numel() / x.size(-1) <= kMaxBf16Rows;
+#elif defined(VLMSERVE_AVX2_GEMV)
+  return x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+         weight.is_contiguous() && weight.size(1) % 32 == 0 && x.size(-1) == weight.size(1);
 #else
   return false;
 #endif
@@ -165,7 +171,7 @@ void tiled_band(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int6
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x of at most 16 rows, a contiguous bf16 weight [N, K] with "
-              "K a multiple of 32, on a CPU with AVX512-BF16");
+              "K a multiple of 32, on a CPU with AVX512-BF16 (16 rows at most) or AVX2");
   const int64_t K = weight.size(1), N = weight.size(0);
   const int64_t M = x.numel() / K;
   const at::Tensor xc = x.contiguous();
@@ -182,6 +188,10 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
       default: tiled_band(xp, wp, M, K, N, n0, n1, op); break;
     }
   });
+#elif defined(VLMSERVE_AVX2_GEMV)
+  vlmserve::avx2::bf16_gemv(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+                            reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), M, K, N,
+                            acc.data_ptr<float>());
 #endif
   return with_bias_in_shape(acc, x, bias);
 }
