@@ -105,7 +105,9 @@ def read_bandwidth(threads: int) -> float:
 def machine_limits(threads: int) -> dict[str, float]:
     """What this machine can do with `threads` threads, measured now: memory bandwidth
     (GB/s) reading 1 GiB (a sum) and copying it, and the bf16 matmul peak (TFLOP/s,
-    4096^3). Decode is held to the first, prefill to the last."""
+    4096^3). Decode is held to the first, prefill to the last. On a CPU without bf16
+    arithmetic (AVX2; oneDNN has no bf16 matmul there, torch's runs for minutes at this
+    size) the peak is fp32's, which bf16 layers run at there."""
     import torch
 
     read = read_bandwidth(threads)
@@ -113,7 +115,8 @@ def machine_limits(threads: int) -> dict[str, float]:
     b = torch.empty_like(a)
     copy = 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a)) / 1e9
     del a, b
-    x = torch.randn(4096, 4096).to(torch.bfloat16)
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    x = torch.randn(4096, 4096).to(torch.bfloat16 if bf16 else torch.float32)
     peak = 2 * 4096**3 / _best_seconds(lambda: torch.mm(x, x), 3) / 1e12
     return {"read_gbs": read, "copy_gbs": copy, "bf16_tflops": peak}
 

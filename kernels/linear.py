@@ -23,6 +23,8 @@ fp32 in registers), and more rows on fp32 matmuls over the weight widened a bloc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +91,7 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if weight.dtype == torch.bfloat16 and not _has_bf16_matmul():
         return None  # oneDNN has no bf16 matmul on this CPU
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
@@ -104,8 +106,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.dtype == torch.bfloat16 and _widening_fits(weight) and rows > 0:
-        if rows <= WIDENING_GEMV_MAX_ROWS:
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and not _has_bf16_matmul():
+        if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
     gemv = 0 < rows <= BF16_GEMV_MAX_ROWS and _gemv_fits(x, weight)
@@ -155,9 +157,13 @@ def _pairs_fit(weight: torch.Tensor) -> bool:
             and not cpu_extension.has_amx())
 
 
-def _widening_fits(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 32 == 0
-            and weight.is_contiguous() and cpu_extension.widens_bf16())
+@functools.cache
+def _has_bf16_matmul() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _widening_gemv_fits(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[1] % 32 == 0 and weight.is_contiguous() and cpu_extension.widens_bf16()
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -247,15 +247,15 @@ def test_bf16_rows_past_the_avx2_gemv_run_as_fp32_matmuls_over_widened_blocks(mo
     """On CPUs without AVX512-BF16, more rows than the AVX2 GEMV takes run as fp32 matmuls
     over the bf16 weight widened a block of rows at a time (here three blocks, the last
     short), the bias added before the one rounding."""
-    from vlmserve.kernels import cpu_extension, linear
+    from vlmserve.kernels import linear
 
-    if not cpu_extension.widens_bf16():
-        pytest.skip("the widening path is for CPUs with AVX2 and no AVX512-BF16")
-    monkeypatch.setattr(linear, "WIDEN_BLOCK", 64 * 320)
+    if linear._has_bf16_matmul():
+        pytest.skip("the widening path is for CPUs without bf16 matmuls (AVX2)")
+    monkeypatch.setattr(linear, "WIDEN_BLOCK", 64 * 330)
     torch.manual_seed(0)
-    weight = torch.randn(150, 320).to(torch.bfloat16)
+    weight = torch.randn(150, 330).to(torch.bfloat16)  # inputs no multiple of 32 (the vision MLP's 3420)
     b = torch.randn(150).to(torch.bfloat16) if bias else None
-    x = torch.randn(3, linear.WIDENING_GEMV_MAX_ROWS, 320).to(torch.bfloat16)
+    x = torch.randn(3, linear.WIDENING_GEMV_MAX_ROWS, 330).to(torch.bfloat16)
     got = linear.linear_cpu(x, weight, b)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float()).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (3, linear.WIDENING_GEMV_MAX_ROWS, 150)
