@@ -11,7 +11,8 @@ group by AVX512-VNNI: at one row they stream the weight near the machine's bandw
 packed-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which stay
 for CPUs without the extension. Many rows (a prefill) are bound by compute, where those
 kernels are several times slower than a bf16 matmul (measured, docs/quantization.md), so
-the weight is dequantized on the fly and multiplied in the activations' dtype.
+the weight is dequantized on the fly and multiplied as a plain layer's weight (on a CPU
+without bf16 matmuls, widened to fp32: `linear.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
-from vlmserve.kernels.linear import GEMV_MAX_ROWS
+from vlmserve.kernels.linear import GEMV_MAX_ROWS, linear_cpu
 from vlmserve.kernels.registry import register
 
 METHODS = ("int8", "int4")
@@ -165,7 +166,14 @@ def prepare_quantized_weight_cpu(qw: QuantizedWeight) -> QuantizedWeight:
         return qw
     if gemv_layout_fits(qw):
         return gemv_layout(qw)
-    return torch_cpu_layout(qw) if qw.method == "int4" and qw.shape[0] % 64 == 0 else qw
+    return torch_cpu_layout(qw) if qw.method == "int4" and torch_int4_layout_fits(qw) else qw
+
+
+def torch_int4_layout_fits(qw: QuantizedWeight) -> bool:
+    """Whole blocks of 64 outputs, on a CPU where torch packs int4 in the layout
+    `int4_values` reads (its AVX-512 one: on AVX2 CPUs it packs otherwise, and the prompt's
+    dequantized matmul read wrong values)."""
+    return qw.shape[0] % 64 == 0 and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def gemv_layout_fits(qw: QuantizedWeight) -> bool:
@@ -227,7 +235,7 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
             return torch.ops.vlmserve_cpu.int8_tiled_gemv(x, qw.data, qw.scales, bias)
         return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
     if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype or qw.layout == "gemv":
-        return F.linear(x, _dequantize_to_scratch(qw), bias)
+        return linear_cpu(x, _dequantize_to_scratch(qw), bias)
     flat = x.reshape(rows, x.shape[-1])
     if qw.method == "fp8" and _fp8_kernels_fit(qw):
         return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
@@ -238,7 +246,7 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     elif qw.layout == "cpu_blocked":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, qw.group, qw.scales)
     else:
-        return F.linear(x, _dequantize_to_scratch(qw), bias)
+        return linear_cpu(x, _dequantize_to_scratch(qw), bias)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])

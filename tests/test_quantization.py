@@ -29,6 +29,7 @@ from vlmserve.kernels.quantized_linear import (
     quantize,
     quantized_linear_cpu,
     torch_cpu_layout,
+    torch_int4_layout_fits,
 )
 from vlmserve.models.layers import Linear
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
@@ -64,14 +65,15 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
     plain = quantize(w, method.split()[0])
     if method == "int4":  # vlmserve's kernel where this CPU has it (AVX512-BF16 and VNNI), the same bytes
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
-        assert prepared.layout == ("gemv" if own_kernels_available() else "cpu_blocked" if out_features % 64 == 0 else "plain")
+        torch_layout = torch_int4_layout_fits(plain)
+        assert prepared.layout == ("gemv" if own_kernels_available() else "cpu_blocked" if torch_layout else "plain")
         assert torch.equal(int4_values(prepared), int4_values(plain)) or prepared.layout == "cpu_blocked"
     elif method == "int8":  # vlmserve's tiled layout where this CPU has its kernels
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
         assert prepared.layout == ("gemv" if own_kernels_available() else "plain")
         assert torch.equal(int8_values(prepared), plain.data)
-    else:  # where the extension is not built: torch's kernel, on whole blocks of 64 outputs
-        prepared = torch_cpu_layout(plain) if out_features % 64 == 0 else plain
+    else:  # where the extension is not built: torch's kernel, on whole blocks of 64 outputs (AVX-512 CPUs)
+        prepared = torch_cpu_layout(plain) if torch_int4_layout_fits(plain) else plain
         assert prepared.layout == "plain" or prepared.nbytes < plain.nbytes + plain.data.numel() // 8
     # the CPU layout holds the same values (its zero point is rounded to bf16 once more)
     assert torch.allclose(dequantize(prepared).float(), dequantize(plain).float(), atol=0.05)

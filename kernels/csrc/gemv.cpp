@@ -170,7 +170,7 @@ void tiled_band(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int6
 #endif
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x of at most 16 rows, a contiguous bf16 weight [N, K] with "
+  TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x, a contiguous bf16 weight [N, K] with "
               "K a multiple of 32, on a CPU with AVX512-BF16 (16 rows at most) or AVX2");
   const int64_t K = weight.size(1), N = weight.size(0);
   const int64_t M = x.numel() / K;
