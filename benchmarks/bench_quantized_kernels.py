@@ -1,6 +1,8 @@
 """The CPU matmul kernels of a decode step, alone: vlmserve's bf16, int8, int4 and fp8
-GEMVs (up to the rows the engine gives each), torch's packed int8/int4 kernels and a
-bf16 matmul, on the weights of Qwen2.5-VL-3B's layers, at a few rows of x. Each timed
+GEMVs (up to the rows the engine gives each), torch's packed int8/int4 kernels, a bf16
+layer's matmul and the quantized weights' dequantized matmuls (what prompts run), on the
+weights of Qwen2.5-VL-3B's layers, at a few rows of x. Kernels this CPU lacks are left out
+(on AVX2 CPUs: fp8, torch's int4 layout; the bf16 matmul is then vlmserve's widened one). Each timed
 pass goes over copies of the weight that add up to more than the L3 cache holds, so they
 stream from memory as in a decode step;
 each kernel's speed is printed in milliseconds per weight and in GB/s of its own bytes,
@@ -12,18 +14,21 @@ beside the machine's measured read bandwidth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from common import cpu_flags, machine_limits
-from vlmserve.kernels.linear import GEMV_MAX_ROWS
-from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, TILED_MAX_ROWS, QuantizedWeight,
-                                               prepare_quantized_weight_cpu, quantize, torch_cpu_layout)
+from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.linear import GEMV_MAX_ROWS, WIDENING_GEMV_MAX_ROWS, linear_cpu
+from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, QuantizedWeight, dequantized_linear,
+                                               own_kernels_available, prepare_quantized_weight_cpu, quantize,
+                                               tiled_kernels_available, tiled_max_rows, torch_cpu_layout,
+                                               torch_int4_layout_fits)
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.testing.quantized_checkpoints import fp8_blocks
 
@@ -49,22 +54,30 @@ def kernels(w: torch.Tensor) -> dict[str, Kernel]:
     int8 = quantize(w, "int8")
     int8_tiled = prepare_quantized_weight_cpu(int8)
     int4 = prepare_quantized_weight_cpu(quantize(w, "int4"))
-    torch_int4 = torch_cpu_layout(quantize(w, "int4"))
-    fp8 = fp8_weight(w)
     many = 1 << 20
-    return {
-        "bf16 GEMV": (lambda x, w: ops.bf16_gemv(x, w, None), (w,), GEMV_MAX_ROWS),
-        "bf16 matmul": (lambda x, w: F.linear(x, w), (w,), many),
+    avx2 = cpu_extension.widens_bf16()
+    table: dict[str, Kernel] = {
+        "bf16 GEMV": (lambda x, w: ops.bf16_gemv(x, w, None), (w,), WIDENING_GEMV_MAX_ROWS if avx2 else GEMV_MAX_ROWS),
+        "bf16 matmul": (lambda x, w: linear_cpu(x, w, None), (w,), many),  # no packed copy (AVX2: widened)
         "int8 GEMV": (lambda x, q, s: ops.int8_tiled_gemv(x, q, s, None), (int8_tiled.data, int8_tiled.scales),
-                      TILED_MAX_ROWS["int8"]),
+                      tiled_max_rows("int8")),
+        "int8 dequant": (lambda x, q, s: dequantized_linear(x, dataclasses.replace(int8_tiled, data=q, scales=s), None),
+                         (int8_tiled.data, int8_tiled.scales), many),
         "int8 torch": (torch.ops.aten._weight_int8pack_mm, (int8.data, int8.scales), many),
         "int4 GEMV": (lambda x, q, s, z: ops.int4_gemv(x, q, s, z, None), (int4.data, int4.scales, int4.zeros),
-                      TILED_MAX_ROWS["int4"]),
-        "int4 torch": (lambda x, q, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, 128, s),
-                       (torch_int4.data, torch_int4.scales), many),
-        "fp8 GEMV": (lambda x, q, s: ops.fp8_gemv(x, q, s, None), (fp8.data.view(torch.uint8), fp8.scales),
-                     PACKED_MAX_ROWS["fp8"]),
+                      tiled_max_rows("int4")),
+        "int4 dequant": (lambda x, q, s, z: dequantized_linear(x, dataclasses.replace(int4, data=q, scales=s, zeros=z),
+                                                               None), (int4.data, int4.scales, int4.zeros), many),
     }
+    if torch_int4_layout_fits(int4):
+        torch_int4 = torch_cpu_layout(quantize(w, "int4"))
+        table["int4 torch"] = (lambda x, q, s: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q, 128, s),
+                               (torch_int4.data, torch_int4.scales), many)
+    if own_kernels_available():
+        fp8 = fp8_weight(w)
+        table["fp8 GEMV"] = (lambda x, q, s: ops.fp8_gemv(x, q, s, None), (fp8.data.view(torch.uint8), fp8.scales),
+                             PACKED_MAX_ROWS["fp8"])
+    return table
 
 
 def time_kernel(kernel: Kernel, rows: int, in_features: int, stream_bytes: float, repeats: int) -> str:
@@ -95,10 +108,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from vlmserve.kernels.quantized_linear import own_kernels_available
-
-    if not own_kernels_available():
-        raise SystemExit("vlmserve's CPU kernels are not built on this machine (they need AVX512-BF16 and VNNI)")
+    if not tiled_kernels_available():
+        raise SystemExit("vlmserve's CPU kernels are not built on this machine (they need AVX512-VNNI or AVX2)")
     limits = machine_limits(args.threads)
     print(f"CPU: {cpu_flags()}; {args.threads} threads; machine read {limits['read_gbs']:.1f} GB/s")
     torch.manual_seed(0)

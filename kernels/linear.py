@@ -91,7 +91,7 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
-    if weight.dtype == torch.bfloat16 and not _has_bf16_matmul():
+    if weight.dtype == torch.bfloat16 and not has_bf16_matmul():
         return None  # oneDNN has no bf16 matmul on this CPU
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and not _has_bf16_matmul():
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and not has_bf16_matmul():
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
@@ -158,8 +158,13 @@ def _pairs_fit(weight: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _has_bf16_matmul() -> bool:
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def has_bf16_matmul() -> bool:
+    """Whether oneDNN has bf16 matmuls on this CPU (AVX-512 and up): below, torch's bf16
+    matmul runs at about a tenth of fp32's speed."""
+    try:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _widening_gemv_fits(weight: torch.Tensor) -> bool:

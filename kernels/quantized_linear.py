@@ -18,6 +18,7 @@ without bf16 matmuls, widened to fp32: `linear.py`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,10 @@ QUANTIZE_BLOCK = 1 << 18  # weights quantized per pass: fp32 temporaries of 1 MB
 # (measured at 3B widths on an AMX CPU; docs/quantization.md)
 # (fp8: vlmserve's kernel, which converts the weights again for every 4 rows)
 PACKED_MAX_ROWS = {"int8": 24, "int4": 128, "fp8": 8}
-# vlmserve's tiled-layout kernels: beyond, dequantizing and a bf16 matmul win (measured)
+# vlmserve's tiled-layout kernels: beyond, dequantizing and a bf16 matmul win (measured on
+# AVX-512 CPUs). Their AVX2 versions take every row count: there maddubs multiplies 32 weight
+# bytes an instruction where an fp32 FMA takes 8 values, so they beat dequantizing and fp32
+# matmuls from 1 to 512 rows (1.3-2.8x at 64-512 rows, Qwen2.5-VL-3B's matrices, Zen 3)
 TILED_MAX_ROWS = {"int8": 64, "int4": 64}
 GEMV_TILE = 16  # weight rows per tile in vlmserve's int8/int4 layout (one a 32-bit lane of AVX-512)
 
@@ -178,7 +182,7 @@ def torch_int4_layout_fits(qw: QuantizedWeight) -> bool:
 
 def gemv_layout_fits(qw: QuantizedWeight) -> bool:
     return (qw.group == INT4_GROUP and qw.shape[0] % GEMV_TILE == 0 and qw.shape[1] % INT4_GROUP == 0
-            and own_kernels_available())
+            and tiled_kernels_available())
 
 
 def gemv_layout(qw: QuantizedWeight) -> QuantizedWeight:
@@ -230,12 +234,12 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | 
 @register("quantized_linear", "cpu")
 def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if qw.layout == "gemv" and 0 < rows <= TILED_MAX_ROWS[qw.method] and x.dtype == qw.dtype:
+    if qw.layout == "gemv" and 0 < rows <= tiled_max_rows(qw.method) and x.dtype == qw.dtype:
         if qw.method == "int8":
             return torch.ops.vlmserve_cpu.int8_tiled_gemv(x, qw.data, qw.scales, bias)
         return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
     if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype or qw.layout == "gemv":
-        return linear_cpu(x, _dequantize_to_scratch(qw), bias)
+        return dequantized_linear(x, qw, bias)
     flat = x.reshape(rows, x.shape[-1])
     if qw.method == "fp8" and _fp8_kernels_fit(qw):
         return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
@@ -246,10 +250,16 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     elif qw.layout == "cpu_blocked":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, qw.data, qw.group, qw.scales)
     else:
-        return linear_cpu(x, _dequantize_to_scratch(qw), bias)
+        return dequantized_linear(x, qw, bias)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def dequantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x times the weight dequantized on the fly (a prompt's matmul on AVX-512 CPUs, bound
+    by compute) into one scratch buffer, as a plain layer's matmul."""
+    return linear_cpu(x, _dequantize_to_scratch(qw), bias)
 
 
 def _int8_gemv_fits(qw: QuantizedWeight) -> bool:
@@ -263,6 +273,16 @@ def _fp8_kernels_fit(qw: QuantizedWeight) -> bool:
 def own_kernels_available() -> bool:
     """vlmserve's compiled CPU kernels, with the AVX512-BF16 (and VNNI) they are built for."""
     return cpu_extension.has_bf16_dot() and cpu_extension.available()
+
+
+def tiled_max_rows(method: str) -> int:
+    return sys.maxsize if cpu_extension.widens_bf16() else TILED_MAX_ROWS[method]
+
+
+def tiled_kernels_available() -> bool:
+    """vlmserve's int8/int4 kernels on the tiled layout: built for AVX512-VNNI, or for AVX2
+    (csrc/int_gemv_avx2.h) on CPUs without AVX-512."""
+    return own_kernels_available() or cpu_extension.widens_bf16()
 
 
 _scratch: dict[torch.dtype, torch.Tensor] = {}

@@ -120,7 +120,8 @@ def test_the_readme_run_command(tmp_path):
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
     """The checkpoint is stored in bf16; 'auto' runs it in bf16 only where bf16 matmuls are
-    faster than fp32 ones (timed, since the CPU flags don't say)."""
+    faster than fp32 ones (timed, since the CPU flags don't say), or where its quantized
+    layers run on vlmserve's int8/int4 kernels."""
     import torch
     from transformers import AutoConfig
 
@@ -134,6 +135,11 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert model_loader.resolve_dtype("float32", config) == torch.float32  # an explicit dtype is kept
     monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: False)
     assert model_loader.resolve_dtype("auto", config, "cuda") == torch.bfloat16  # a GPU runs it as saved
+    monkeypatch.setattr(model_loader, "tiled_kernels_available", lambda: True)  # its int8/int4 kernels take bf16
+    assert model_loader.resolve_dtype("auto", config, quantized=True) == torch.bfloat16
+    assert model_loader.resolve_dtype("auto", config) == torch.float32
+    monkeypatch.setattr(model_loader, "tiled_kernels_available", lambda: False)
+    assert model_loader.resolve_dtype("auto", config, quantized=True) == torch.float32
 
 
 def test_bf16_is_taken_only_where_it_is_clearly_faster(monkeypatch):

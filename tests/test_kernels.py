@@ -249,7 +249,7 @@ def test_bf16_rows_past_the_avx2_gemv_run_as_fp32_matmuls_over_widened_blocks(mo
     short), the bias added before the one rounding."""
     from vlmserve.kernels import linear
 
-    if linear._has_bf16_matmul():
+    if linear.has_bf16_matmul():
         pytest.skip("the widening path is for CPUs without bf16 matmuls (AVX2)")
     monkeypatch.setattr(linear, "WIDEN_BLOCK", 64 * 330)
     torch.manual_seed(0)

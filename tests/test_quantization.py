@@ -24,6 +24,7 @@ from vlmserve.kernels.quantized_linear import (
     int4_values,
     int8_values,
     own_kernels_available,
+    tiled_kernels_available,
     prepare_quantized_weight_cpu,
     quantizable,
     quantize,
@@ -66,11 +67,11 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
     if method == "int4":  # vlmserve's kernel where this CPU has it (AVX512-BF16 and VNNI), the same bytes
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
         torch_layout = torch_int4_layout_fits(plain)
-        assert prepared.layout == ("gemv" if own_kernels_available() else "cpu_blocked" if torch_layout else "plain")
+        assert prepared.layout == ("gemv" if tiled_kernels_available() else "cpu_blocked" if torch_layout else "plain")
         assert torch.equal(int4_values(prepared), int4_values(plain)) or prepared.layout == "cpu_blocked"
     elif method == "int8":  # vlmserve's tiled layout where this CPU has its kernels
         prepared = prepare_quantized_weight_cpu(quantize(w, method))
-        assert prepared.layout == ("gemv" if own_kernels_available() else "plain")
+        assert prepared.layout == ("gemv" if tiled_kernels_available() else "plain")
         assert torch.equal(int8_values(prepared), plain.data)
     else:  # where the extension is not built: torch's kernel, on whole blocks of 64 outputs (AVX-512 CPUs)
         prepared = torch_cpu_layout(plain) if torch_int4_layout_fits(plain) else plain
@@ -84,7 +85,7 @@ def test_cpu_kernel_computes_the_dequantized_product(method, out_features, rows)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-@pytest.mark.skipif(not own_kernels_available(), reason="vlmserve's CPU kernels (AVX512-VNNI) are not built here")
+@pytest.mark.skipif(not tiled_kernels_available(), reason="vlmserve's int8/int4 kernels are not built here")
 @pytest.mark.parametrize("method", METHODS)
 def test_tiles_hold_each_row_and_dequantize_exactly(method):
     """The kernels' tiled layout (16 rows a tile) keeps every value, scale and zero point of
@@ -109,6 +110,32 @@ def test_tiles_hold_each_row_and_dequantize_exactly(method):
     x[0, 200] = 1.0  # one input: the GEMV picks out (nearly: x is quantized to 8 bits) that column
     got = quantized_linear_cpu(x, tiled, None).float()[0]
     torch.testing.assert_close(got, expected[:, 200].to(torch.bfloat16).float(), atol=0.02, rtol=0.01)
+
+
+@pytest.mark.skipif(not tiled_kernels_available(), reason="vlmserve's int8/int4 kernels are not built here")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_tiled_kernels_stay_exact_at_the_ends_of_the_range(method, rows):
+    """Every weight at an end of its range (int8 -128 or 127, int4 0 or 15) against x whose
+    every value is its group's largest in magnitude (int8 +-127): AVX2's products sum pairs
+    in int16 (maddubs), which a stored w + 128 times x would overflow; the sums stay exact."""
+    torch.manual_seed(rows)
+    n, k = 32, 256
+    ends = torch.rand(n, k) < 0.5
+    scales = torch.full((n, k // 128), 1 / 64, dtype=torch.bfloat16)  # powers of two: the reference is exact
+    if method == "int8":
+        plain = QuantizedWeight("int8", (n, k), torch.bfloat16, torch.where(ends, -128, 127).to(torch.int8),
+                                scales[:, 0].contiguous())
+    else:
+        q = torch.where(ends, 0, 15).to(torch.uint8)
+        plain = QuantizedWeight("int4", (n, k), torch.bfloat16, q[:, 0::2] | (q[:, 1::2] << 4), scales,
+                                torch.full_like(scales, -0.25))
+    tiled = prepare_quantized_weight_cpu(plain)
+    assert tiled.layout == "gemv"
+    x = torch.where(torch.rand(rows, k) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+    got = quantized_linear_cpu(x, tiled, None).float()
+    expected = F.linear(x.float(), dequantize(plain).float())
+    assert (got - expected).abs().max() <= 0.01 * expected.abs().max()
 
 
 def fp8_weight(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
@@ -244,6 +271,20 @@ def test_loading_peaks_near_the_quantized_size(method, tmp_path):
     before, peak, after = (int(v) * 1024 for v in out)
     assert after - before < 0.8 * bf16_layers, (before, peak, after)  # int8 is half, int4 a quarter
     assert peak - before < bf16_layers, (before, peak, after)  # all at once, and the file mapped: 3x
+
+
+def test_auto_dtype_runs_quantized_layers_on_the_kernels_where_they_exist():
+    """'auto' with --quantization: bf16 (the checkpoint's own) where vlmserve's int8/int4
+    kernels run, so its layers take their tiled layout instead of being dequantized each step."""
+    from vlmserve.engine.model_source import SHIPPED_MODEL
+
+    model, _ = load_model(SHIPPED_MODEL, "auto", kernel_table("cpu"), quantization="int4")
+    layers = [m for m in model.model.language_model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert layers
+    if tiled_kernels_available():
+        assert all(m.quantized.dtype == torch.bfloat16 for m in layers)
+        whole_tiles = [m for m in layers if m.quantized.shape[0] % 16 == 0]  # (a fused qkv of 776 rows is not)
+        assert whole_tiles and all(m.quantized.layout == "gemv" for m in whole_tiles)
 
 
 ANSWERS = json.loads((SAMPLES / "answers.json").read_text())

@@ -13,6 +13,8 @@
 // (--quantization int4, AWQ, GPTQ): a quarter of the bytes, in tiles of 16 weight rows (one
 // a 32-bit lane), multiplied with x quantized to int8 per group by dpbusd (64 products an
 // instruction, 16 rows at once), each group's sums scaled into fp32 accumulators.
+// On CPUs with AVX2 and no AVX-512 (bf16_gemv_avx2.h, int_gemv_avx2.h) bf16_gemv and the
+// int8/int4 tiled kernels take the same arguments and layouts.
 // fp8_gemv does it for an FP8 (e4m3) checkpoint's weight with 128 x 128 block scales: one
 // byte a value, converted to fp32 in registers (no FP8 math on these CPUs).
 
@@ -29,7 +31,11 @@
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "bf16_gemv_avx2.h"
+#include "int_gemv_avx2.h"
 #define VLMSERVE_AVX2_GEMV
+#endif
+#if (defined(__AVX512BF16__) && defined(__AVX512VNNI__)) || defined(VLMSERVE_AVX2_GEMV)
+#define VLMSERVE_INT_GEMV  // the int8 and int4 tiled-layout kernels: AVX512-VNNI or AVX2
 #endif
 
 #include "round_row.h"
@@ -221,10 +227,6 @@ inline __m512 load16(const at::BFloat16* p) { return bf16x16_to_fp32(reinterpret
 // int8 kernel may negate any), each group's scale, and the sum of its quantized values
 // times that scale. bf16 x is read as it is (its conversion to fp32 is exact), so a
 // decode step's layers make no fp32 copy of their input.
-struct QuantizedRows {
-  at::Tensor values, scales, sums;
-};
-
 template <typename T>
 void quantize_groups(const T* src, int64_t groups, int8_t* values, float* scales, float* sums) {
   for (int64_t i = 0; i < groups; ++i) {
@@ -245,6 +247,18 @@ void quantize_groups(const T* src, int64_t groups, int8_t* values, float* scales
   }
 }
 
+#endif
+
+#if defined(VLMSERVE_INT_GEMV)
+#if defined(VLMSERVE_AVX2_GEMV)
+constexpr int64_t kGroup = vlmserve::avx2::kGroup;
+using vlmserve::avx2::quantize_groups;
+#endif
+
+struct QuantizedRows {
+  at::Tensor values, scales, sums;
+};
+
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
   const at::Tensor rows = x.reshape({M, K});
   const bool bf16 = rows.scalar_type() == at::kBFloat16;
@@ -261,6 +275,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t M, int64_t K) {
     quantize_groups(src.data_ptr<float>(), M * G, values, scales, sums);
   return q;
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 
 constexpr int64_t kFlush = 256;  // int32 sums of int16 x int8 products flushed to fp32 this often (no overflow)
 
@@ -443,8 +460,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     for (int64_t t = t0; t < t1; ++t)
       by_row_tiles(M, [&](auto rows, int64_t r) { int4_tile_rows<rows>(xp, xs, xsum, wp, sp, zp, K, N, r, t, op); });
   });
+#elif defined(VLMSERVE_AVX2_GEMV)
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
+  vlmserve::avx2::int4_gemv(xq.values.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), xq.sums.data_ptr<float>(),
+                            weight.data_ptr<uint8_t>(), sp, zp, M, K, N, acc.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int4_gemv: built without AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(false, "int4_gemv: built without AVX512-VNNI or AVX2");
 #endif
   return with_bias_in_shape(acc, x, bias);
 }
@@ -488,8 +511,15 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
         }
       }
   });
+#elif defined(VLMSERVE_AVX2_GEMV)
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
+  if (out.scalar_type() == at::kBFloat16)
+    vlmserve::avx2::int4_dequantize(weight.data_ptr<uint8_t>(), sp, zp, N, K, out.data_ptr<at::BFloat16>());
+  else
+    vlmserve::avx2::int4_dequantize(weight.data_ptr<uint8_t>(), sp, zp, N, K, out.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int4_dequantize: built without AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(false, "int4_dequantize: built without AVX512-VNNI or AVX2");
 #endif
 }
 
@@ -575,8 +605,13 @@ at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const 
     for (int64_t t = t0; t < t1; ++t)
       by_row_tiles(M, [&](auto rows, int64_t r) { int8_tile_rows<rows>(xp, xs, xo, wp, sp, K, N, r, t, op); });
   });
+#elif defined(VLMSERVE_AVX2_GEMV)
+  const QuantizedRows xq = quantize_rows(x, M, K);
+  vlmserve::avx2::int8_tiled_gemv(xq.values.data_ptr<int8_t>(), xq.scales.data_ptr<float>(), weight.data_ptr<uint8_t>(),
+                                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), M, K, N,
+                                  acc.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int8_tiled_gemv: built without AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(false, "int8_tiled_gemv: built without AVX512-VNNI or AVX2");
 #endif
   return with_bias_in_shape(acc, x, bias);
 }
@@ -617,8 +652,14 @@ void int8_tiled_dequantize(const at::Tensor& weight, const at::Tensor& scales, a
         }
       }
   });
+#elif defined(VLMSERVE_AVX2_GEMV)
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  if (out.scalar_type() == at::kBFloat16)
+    vlmserve::avx2::int8_tiled_dequantize(weight.data_ptr<uint8_t>(), sp, N, K, out.data_ptr<at::BFloat16>());
+  else
+    vlmserve::avx2::int8_tiled_dequantize(weight.data_ptr<uint8_t>(), sp, N, K, out.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "int8_tiled_dequantize: built without AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(false, "int8_tiled_dequantize: built without AVX512-VNNI or AVX2");
 #endif
 }
 

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from vlmserve.kernels import KernelTable, ops, use_kernels
+from vlmserve.kernels.quantized_linear import tiled_kernels_available
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Linear
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
@@ -75,10 +76,12 @@ def bf16_pays(fp32_seconds: float, bf16_seconds: float) -> bool:
     return bf16_seconds < 0.8 * fp32_seconds
 
 
-def resolve_dtype(name: str, hf_config, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(name: str, hf_config, device: str = "cpu", quantized: bool = False) -> torch.dtype:
     """'auto' runs the checkpoint's own dtype (a GPU runs it as saved), except that on the
     CPU half precision runs as bfloat16 where bf16 matmuls are faster than fp32 on this
-    CPU (no CPU here has fast fp16 ones), else as float32."""
+    CPU (no CPU here has fast fp16 ones), or where the language layers run `quantized` on
+    vlmserve's int8/int4 kernels (which take bf16 layers: in fp32 those layers would be
+    dequantized for every step), else as float32."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
@@ -89,7 +92,8 @@ def resolve_dtype(name: str, hf_config, device: str = "cpu") -> torch.dtype:
     if torch.device(device).type == "cuda":
         return saved or torch.float32
     half = saved in (torch.bfloat16, torch.float16)
-    return torch.bfloat16 if half and cpu_bf16_is_faster() else torch.float32
+    bf16_pays_here = cpu_bf16_is_faster() or quantized and tiled_kernels_available()
+    return torch.bfloat16 if half and bf16_pays_here else torch.float32
 
 
 def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
@@ -153,8 +157,9 @@ def load_model(
     that embeds has no output head (embedding checkpoints often leave it out)."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
+    published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
     if not isinstance(dtype, torch.dtype):
-        dtype = resolve_dtype(dtype, hf_config, device)
+        dtype = resolve_dtype(dtype, hf_config, device, quantized=bool(quantization or published))
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
@@ -162,7 +167,6 @@ def load_model(
         place_streamed_weights(model)
     if embeds:
         model.lm_head = None  # a head in the checkpoint is skipped
-    published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
     if published and quantization:
         raise ValueError(f"the checkpoint is already quantized ({published.method}): --quantization is for "
                          f"unquantized ones")
