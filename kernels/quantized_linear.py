@@ -11,8 +11,10 @@ group by AVX512-VNNI: at one row they stream the weight near the machine's bandw
 packed-weight kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which stay
 for CPUs without the extension. Many rows (a prefill) are bound by compute, where those
 kernels are several times slower than a bf16 matmul (measured, docs/quantization.md), so
-the weight is dequantized on the fly and multiplied as a plain layer's weight (on a CPU
-without bf16 matmuls, widened to fp32: `linear.py`).
+the weight is dequantized on the fly and multiplied as a plain layer's weight.
+CPUs with AVX2 and no AVX-512 run the same layout on the kernels' AVX2 versions
+(csrc/int_gemv_avx2.h) at every row count: there is no bf16 matmul there, and their byte
+products beat dequantizing and fp32 matmuls for prompts too.
 """
 
 from __future__ import annotations
