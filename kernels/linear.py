@@ -128,6 +128,14 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 _widened: list[torch.Tensor] = []  # one fp32 buffer for every layer's widened weight block
 
 
+def reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scratch memory that calls reuse, written in place inside and outside inference mode
+    (a tensor made inside it cannot be written in place outside: an engine's buffer, then a
+    plain forward in the same process)."""
+    with torch.inference_mode(False):
+        return torch.empty(numel, dtype=dtype)
+
+
 def _linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b for bf16 x and W as fp32 matmuls, W widened a block of rows at a time into
     one reused buffer (a 151,936-row head widened whole would take 1.2 GB); one rounding."""
@@ -135,7 +143,7 @@ def _linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     n, k = weight.shape
     step = max(1, WIDEN_BLOCK // k)
     if not _widened or _widened[0].numel() < min(n, step) * k:
-        _widened[:] = [torch.empty(min(n, step) * k)]
+        _widened[:] = [reusable_buffer(min(n, step) * k, torch.float32)]
     out = torch.empty(flat.shape[0], n)
     for n0 in range(0, n, step):
         block = weight[n0 : n0 + step]

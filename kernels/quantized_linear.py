@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
-from vlmserve.kernels.linear import GEMV_MAX_ROWS, linear_cpu
+from vlmserve.kernels.linear import GEMV_MAX_ROWS, linear_cpu, reusable_buffer
 from vlmserve.kernels.registry import register
 
 METHODS = ("int8", "int4")
@@ -297,7 +297,7 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
     numel = qw.shape[0] * qw.shape[1]
     buffer = _scratch.get(qw.dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = _scratch[qw.dtype] = torch.empty(numel, dtype=qw.dtype)
+        buffer = _scratch[qw.dtype] = reusable_buffer(numel, qw.dtype)
     w = buffer[:numel].view(qw.shape)
     if qw.method == "fp8":
         if _fp8_kernels_fit(qw):

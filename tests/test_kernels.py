@@ -256,6 +256,8 @@ def test_bf16_rows_past_the_avx2_gemv_run_as_fp32_matmuls_over_widened_blocks(mo
     weight = torch.randn(150, 330).to(torch.bfloat16)  # inputs no multiple of 32 (the vision MLP's 3420)
     b = torch.randn(150).to(torch.bfloat16) if bias else None
     x = torch.randn(3, linear.WIDENING_GEMV_MAX_ROWS, 330).to(torch.bfloat16)
+    with torch.inference_mode():  # the reused buffer, made by an engine's step, is written again outside it
+        linear.linear_cpu(x, weight, b)
     got = linear.linear_cpu(x, weight, b)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float()).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (3, linear.WIDENING_GEMV_MAX_ROWS, 150)

@@ -138,6 +138,17 @@ def test_tiled_kernels_stay_exact_at_the_ends_of_the_range(method, rows):
     assert (got - expected).abs().max() <= 0.01 * expected.abs().max()
 
 
+def test_the_dequantization_buffer_is_reused_inside_and_outside_inference_mode():
+    """A prompt's dequantized matmul writes one buffer reused by every layer: made inside an
+    engine's step (inference mode), it is written again by a plain forward outside it."""
+    qw = quantize(torch.randn(88, 256, dtype=torch.bfloat16), "int8")  # 88 rows: no tiles, dequantized
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        inside = quantized_linear_cpu(x, qw, None)
+    outside = quantized_linear_cpu(x, qw, None)
+    assert torch.equal(inside, outside)
+
+
 def fp8_weight(w: torch.Tensor, dtype: torch.dtype) -> QuantizedWeight:
     """w as an FP8 checkpoint holds it (128 x 128 block scales), read by the loader."""
     fp8, scale = fp8_blocks(w)
