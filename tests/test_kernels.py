@@ -198,6 +198,31 @@ def test_paged_attention_at_the_head_sizes_of_released_models(d, dtype):
         start += n
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_masks_at_a_compiled_head_size(window, dtype):
+    """Windows and pictures that attend both ways at a head size and block size the
+    vectorised paths take (128, 16): keys hidden at both ends of a block."""
+    from vlmserve.kernels import cpu_extension
+    from vlmserve.kernels.attention import paged_attention_cpu
+
+    assert cpu_extension.available()
+    num_computed, query_lens = [0, 12, 40, 50], [40, 28, 1, 30]
+    runs = [[(10, 26)], [(8, 24)], [], [(52, 60), (64, 72)]]
+    k_cache, v_cache, tables, history, new_k, new_v = paged_case(num_computed, query_lens, 2, 128, 16, dtype=dtype)
+    key_ends = []
+    for c, n, seq_runs in zip(num_computed, query_lens, runs):
+        ends = np.arange(c, c + n)
+        for lo, hi in seq_runs:
+            ends = np.where((ends >= lo) & (ends < hi), hi - 1, ends)
+        key_ends.append(ends)
+    meta = build_attention_metadata(tables, num_computed, query_lens, 16, window, key_ends=np.concatenate(key_ends))
+    q = torch.randn(sum(query_lens), 8, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = paged_attention_cpu(q, new_k, new_v, k_cache, v_cache, meta, 128**-0.5)
+    assert_equals_dense(out, q, history, new_k, new_v, query_lens, 128**-0.5, window, key_ends,
+                        tol=1e-2 if dtype == torch.bfloat16 else 2e-5)
+
+
 @pytest.mark.parametrize("rows", [1, GEMV_OVER_PACKED_ROWS, GEMV_OVER_PACKED_ROWS + 1, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_plain_linear(rows, bias):

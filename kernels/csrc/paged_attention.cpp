@@ -41,6 +41,9 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "paged_attention_avx2.h"
+#endif
 
 #include "vec_math.h"
 
@@ -92,6 +95,18 @@ constexpr bool kHaveBf16Dot = false;
 template <typename scalar_t, int BS, int D>
 constexpr bool kBf16Dot = kHaveBf16Dot && std::is_same_v<scalar_t, c10::BFloat16> && BS == 16 && D > 0 && D % 16 == 0;
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kHaveAvx2 = true;
+#else
+constexpr bool kHaveAvx2 = false;
+#endif
+
+// The AVX2 path (paged_attention_avx2.h): bf16 caches without AVX512-BF16, and fp32 caches;
+// 16-token blocks, head sizes a multiple of 16.
+template <typename scalar_t, int BS, int D>
+constexpr bool kAvx2 = kHaveAvx2 && !kBf16Dot<scalar_t, BS, D> && BS == 16 && D > 0 && D % 16 == 0 &&
+                       (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+
 // scores[r][t] = q[r] . key[t] for kRows rows and one block, already scaled. q: the rows'
 // scaled queries in fp32; q_pairs: the same unscaled, as bf16 pairs (the bf16 path).
 // BS, D > 0: sizes known at compile time (the accumulators stay in registers).
@@ -110,6 +125,12 @@ inline void block_scores(const float* q, const uint32_t* q_pairs, float scale, c
         acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[r * (D / 2) + dp]), k);
     }
     for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(scores + r * BS, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2<scalar_t, BS, D>) {
+    vlmserve::avx2_attention::block_scores<kRows, D>(q, keys, scores);
     return;
   }
 #endif
@@ -164,6 +185,12 @@ inline void block_values(const float* p, const uint32_t* p_pairs, const float* c
       for (int r = 0; r < kRows; ++r)
         for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
     }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2<scalar_t, BS, D>) {
+    vlmserve::avx2_attention::block_values<kRows, D>(p, correction, values, out);
     return;
   }
 #endif
@@ -241,6 +268,11 @@ inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64
       const __m256bh rounded = _mm512_cvtneps_pbh(p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + r * (BS / 2)), (__m256i)rounded);
       sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
+    } else
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (kAvx2<scalar_t, BS, D>) {
+      sum = vlmserve::avx2_attention::block_softmax_row(row, t0, t1, mx);
     } else
 #endif
     {
