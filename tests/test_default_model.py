@@ -120,14 +120,16 @@ def test_the_readme_run_command(tmp_path):
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
     """The checkpoint is stored in bf16; 'auto' runs it in bf16 only where bf16 matmuls are
-    faster than fp32 ones (timed, since the CPU flags don't say), or where its quantized
-    layers run on vlmserve's int8/int4 kernels."""
+    faster than fp32 ones (timed, since the CPU flags don't say), where vlmserve's AVX2
+    kernels widen bf16 weights, or where its quantized layers run on vlmserve's int8/int4
+    kernels."""
     import torch
     from transformers import AutoConfig
 
     from vlmserve.worker import model_loader
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
+    monkeypatch.setattr(model_loader, "widens_bf16", lambda: False)
     monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: False)
     assert model_loader.resolve_dtype("auto", config) == torch.float32
     monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: True)
@@ -135,11 +137,17 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert model_loader.resolve_dtype("float32", config) == torch.float32  # an explicit dtype is kept
     monkeypatch.setattr(model_loader, "cpu_bf16_is_faster", lambda: False)
     assert model_loader.resolve_dtype("auto", config, "cuda") == torch.bfloat16  # a GPU runs it as saved
+    monkeypatch.setattr(model_loader, "widens_bf16", lambda: True)  # an AVX2 CPU with vlmserve's kernels
+    assert model_loader.resolve_dtype("auto", config) == torch.bfloat16
+    monkeypatch.setattr(model_loader, "widens_bf16", lambda: False)
     monkeypatch.setattr(model_loader, "tiled_kernels_available", lambda: True)  # its int8/int4 kernels take bf16
     assert model_loader.resolve_dtype("auto", config, quantized=True) == torch.bfloat16
     assert model_loader.resolve_dtype("auto", config) == torch.float32
     monkeypatch.setattr(model_loader, "tiled_kernels_available", lambda: False)
     assert model_loader.resolve_dtype("auto", config, quantized=True) == torch.float32
+    float_config = AutoConfig.from_pretrained(DEFAULT_MODEL, dtype="float32")
+    monkeypatch.setattr(model_loader, "widens_bf16", lambda: True)
+    assert model_loader.resolve_dtype("auto", float_config) == torch.float32  # an fp32 checkpoint stays fp32
 
 
 def test_bf16_is_taken_only_where_it_is_clearly_faster(monkeypatch):

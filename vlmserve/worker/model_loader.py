@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from vlmserve.kernels import KernelTable, ops, use_kernels
+from vlmserve.kernels.cpu_extension import widens_bf16
 from vlmserve.kernels.quantized_linear import tiled_kernels_available
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Linear
@@ -78,10 +79,13 @@ def bf16_pays(fp32_seconds: float, bf16_seconds: float) -> bool:
 
 def resolve_dtype(name: str, hf_config, device: str = "cpu", quantized: bool = False) -> torch.dtype:
     """'auto' runs the checkpoint's own dtype (a GPU runs it as saved), except that on the
-    CPU half precision runs as bfloat16 where bf16 matmuls are faster than fp32 on this
-    CPU (no CPU here has fast fp16 ones), or where the language layers run `quantized` on
-    vlmserve's int8/int4 kernels (which take bf16 layers: in fp32 those layers would be
-    dequantized for every step), else as float32."""
+    CPU half precision runs as bfloat16 only where bf16 layers are faster than fp32 ones
+    (no CPU here has fast fp16 ones), else as float32. They are: where bf16 matmuls beat
+    fp32 ones on this CPU (timed); on AVX2 CPUs without bf16 arithmetic, where vlmserve's
+    kernels widen bf16 weights in registers (half fp32's bytes and memory: 1.5x its tok/s
+    on a batch at Qwen2.5-VL-3B widths, ~3x for one user, docs/benchmarks.md); and where the
+    language layers run `quantized` on vlmserve's int8/int4 kernels (which take bf16
+    layers: in fp32 those layers would be dequantized for every step)."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
@@ -92,7 +96,7 @@ def resolve_dtype(name: str, hf_config, device: str = "cpu", quantized: bool = F
     if torch.device(device).type == "cuda":
         return saved or torch.float32
     half = saved in (torch.bfloat16, torch.float16)
-    bf16_pays_here = cpu_bf16_is_faster() or quantized and tiled_kernels_available()
+    bf16_pays_here = widens_bf16() or cpu_bf16_is_faster() or quantized and tiled_kernels_available()
     return torch.bfloat16 if half and bf16_pays_here else torch.float32
 
 
