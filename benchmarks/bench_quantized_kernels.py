@@ -24,6 +24,7 @@ import torch
 
 from common import cpu_flags, machine_limits
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.linear import GEMV_MAX_ROWS, WIDENING_GEMV_MAX_ROWS, linear_cpu
 from vlmserve.kernels.quantized_linear import (PACKED_MAX_ROWS, QuantizedWeight, dequantized_linear,
                                                own_kernels_available, prepare_quantized_weight_cpu, quantize,
@@ -50,7 +51,7 @@ Kernel = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...], int]
 def kernels(w: torch.Tensor) -> dict[str, Kernel]:
     """Each kernel as a function of x and its weight's tensors, those tensors, and the most
     rows of x the engine gives it."""
-    ops = torch.ops.vlmserve_cpu
+    ops = cpu_kernels()
     int8 = quantize(w, "int8")
     int8_tiled = prepare_quantized_weight_cpu(int8)
     int4 = prepare_quantized_weight_cpu(quantize(w, "int4"))

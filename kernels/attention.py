@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.registry import register
 
 
@@ -194,12 +195,12 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
                meta: AttentionMetadata, scale: float, flash_from: int | None) -> torch.Tensor:
     """paged_attention_cpu with the chunk length from which prompt chunks (causal, no
     window) take torch's flash attention (`_flash_prefill`) given; None: none do."""
-    torch.ops.vlmserve_cpu.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     starts = meta.query_start_host
     long = [i for i in range(len(meta.seq_lens_host)) if starts[i + 1] - starts[i] >= flash_from] \
         if flash_from is not None and meta.sliding_window == 0 and meta.key_ends is None else []
     if not long:
-        return torch.ops.vlmserve_cpu.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+        return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
                                                       meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
     out = torch.empty_like(q)
     rest = [i for i in range(len(meta.seq_lens_host)) if i not in long]
@@ -208,7 +209,7 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         lens = [starts[i + 1] - starts[i] for i in rest]
         query_start = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
         picked = torch.tensor(rest)
-        out[rows] = torch.ops.vlmserve_cpu.paged_attention(q[rows], k_cache, v_cache, meta.block_tables[picked],
+        out[rows] = cpu_kernels().paged_attention(q[rows], k_cache, v_cache, meta.block_tables[picked],
                                                            query_start, meta.seq_lens[picked], 0, scale, None)
     block_size = k_cache.shape[3]
     for i in long:
@@ -292,7 +293,7 @@ def varlen_attention_cpu(
     if q.dtype != torch.bfloat16:
         return varlen_attention(q, k, v, seq_lens, scale)
     cu_seqlens = torch.from_numpy(np.cumsum([0, *seq_lens]))
-    return torch.ops.vlmserve_cpu.varlen_attention(q, k, v, cu_seqlens, scale)
+    return cpu_kernels().varlen_attention(q, k, v, cu_seqlens, scale)
 
 
 # padded attention may do at most this many times the work of the sequences' own

@@ -1,5 +1,6 @@
 """vlmserve's C++ kernels for the CPU, built on first use with torch's extension tools
-and cached on disk (once per machine: ~30 s with g++).
+and cached on disk (once per machine: 1-2 minutes with g++ on 2 cores). Python calls them
+through the extension's own module (`cpu_kernels()`), not torch.ops (csrc/python_module.cpp says why).
 
 The build is keyed by the sources, the compiler flags and this CPU's instruction-set
 flags (it is compiled with -march=native), so a cache shared between machines never
@@ -14,14 +15,16 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp",
-                                    "amx_linear.cpp", "varlen_attention.cpp", "bf16_batch_linear.cpp")]
+                                    "amx_linear.cpp", "varlen_attention.cpp", "bf16_batch_linear.cpp",
+                                    "python_module.cpp")]
 HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC / "bf16_gemv_avx2.h",
-           CSRC / "int_gemv_avx2.h", CSRC / "paged_attention_avx2.h"]
+           CSRC / "int_gemv_avx2.h", CSRC / "paged_attention_avx2.h", CSRC / "kernels.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
 # then ran on one thread at half speed (measured). exp is the kernels' own (vec_math.h).
@@ -60,9 +63,7 @@ def has_amx() -> bool:
     for them and Linux lets this process use them."""
     if "amx_bf16" not in _cpu_flags().split() or not available():
         return False
-    import torch
-
-    return bool(torch.ops.vlmserve_cpu.amx_ready())
+    return bool(cpu_kernels().amx_ready())
 
 
 def cache_dir() -> Path:
@@ -70,11 +71,24 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-@functools.cache
 def available() -> bool:
-    """Builds (or finds) and loads the kernels; registers torch.ops.vlmserve_cpu.*."""
+    """Whether the kernels are built (or found) and loaded."""
+    return _load() is not None
+
+
+def cpu_kernels() -> ModuleType:
+    """The kernels' Python module: one function per kernel (kernels/csrc/python_functions.h)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError("vlmserve's CPU kernels are not available (see available())")
+    return module
+
+
+@functools.cache
+def _load() -> ModuleType | None:
+    """Builds (or finds) and imports the kernels' module; None where they cannot be built."""
     if os.environ.get(DISABLE_ENV) == "1":
-        return False
+        return None
     import torch
 
     load = _quiet_import_of_load()
@@ -87,17 +101,16 @@ def available() -> bool:
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        logger.info("building vlmserve's CPU kernels (once on this machine, about 30 s)")
+        logger.info("building vlmserve's CPU kernels (once on this machine, 1-2 minutes)")
     try:
-        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             extra_include_paths=[str(CSRC)],
-             build_directory=str(build), is_python_module=False, verbose=False)
+        return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(CSRC)],
+                    build_directory=str(build), is_python_module=True, verbose=False)
     except Exception as e:  # no compiler, a failed build: the torch fallbacks run
         first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         logger.warning("vlmserve's CPU kernels could not be built (%s): the slower pure-torch kernels run; install "
                        "a C++ compiler with OpenMP (g++) and restart to build them", first.strip()[:200])
-        return False
-    return True
+        return None
 
 
 def _quiet_import_of_load():

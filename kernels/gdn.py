@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.registry import register
 
 CHUNK = 64
@@ -192,7 +193,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 @register("causal_conv1d", "cpu", available=cpu_extension.available)
 def causal_conv1d_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       meta: RecurrentMetadata) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state,
+    return cpu_kernels().causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state,
                                                 meta.checkpoints)
 
 
@@ -219,7 +220,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
     """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in L1."""
-    return torch.ops.vlmserve_cpu.gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
+    return cpu_kernels().gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
                                                    meta.slots, meta.has_state, meta.checkpoints)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
 from vlmserve.kernels.registry import register
 
@@ -87,7 +88,7 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     if _pairs_fit(weight):
         n, k = weight.shape
         packed = empty_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
-        torch.ops.vlmserve_cpu.bf16_pair_pack(weight.detach(), packed)
+        cpu_kernels().bf16_pair_pack(weight.detach(), packed)
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
@@ -108,20 +109,20 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and not has_bf16_matmul():
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
-            return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
+            return cpu_kernels().bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
     gemv = 0 < rows <= BF16_GEMV_MAX_ROWS and _gemv_fits(x, weight)
     if gemv and rows <= GEMV_OVER_PACKED_ROWS:
-        return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
+        return cpu_kernels().bf16_gemv(x, weight, bias)
     if 0 < rows <= AMX_MAX_ROWS and _amx_fits(x, weight):
-        return torch.ops.vlmserve_cpu.amx_linear(x, weight, bias)
+        return cpu_kernels().amx_linear(x, weight, bias)
     if packed is not None and rows > 0:
         if packed.dim() == 4:  # the pair layout (pack_linear_weight_cpu)
-            return torch.ops.vlmserve_cpu.bf16_batch_linear(x, packed, bias)
+            return cpu_kernels().bf16_batch_linear(x, packed, bias)
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     if gemv:
-        return torch.ops.vlmserve_cpu.bf16_gemv(x, weight, bias)
+        return cpu_kernels().bf16_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -193,4 +194,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @register("silu_and_mul", "cpu", available=cpu_extension.available)
 def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.silu_and_mul(gate_up)
+    return cpu_kernels().silu_and_mul(gate_up)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.registry import ops, register
 
 
@@ -53,26 +54,26 @@ def add_rms_norm_zero_centered(x: torch.Tensor, delta: torch.Tensor, weight: tor
 
 @register("rms_norm", "cpu", available=cpu_extension.available)
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, None)
+    return cpu_kernels().rms_norm(x, weight, eps, False, None)
 
 
 @register("rms_norm_zero_centered", "cpu", available=cpu_extension.available)
 def rms_norm_zero_centered_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, True, None)
+    return cpu_kernels().rms_norm(x, weight, eps, True, None)
 
 
 @register("gated_rms_norm", "cpu", available=cpu_extension.available)
 def gated_rms_norm_cpu(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.vlmserve_cpu.rms_norm(x, weight, eps, False, gate)
+    return cpu_kernels().rms_norm(x, weight, eps, False, gate)
 
 
 @register("add_rms_norm", "cpu", available=cpu_extension.available)
 def add_rms_norm_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.vlmserve_cpu.add_rms_norm(x, delta, weight, eps, False)
+    return cpu_kernels().add_rms_norm(x, delta, weight, eps, False)
 
 
 @register("add_rms_norm_zero_centered", "cpu", available=cpu_extension.available)
 def add_rms_norm_zero_centered_cpu(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.vlmserve_cpu.add_rms_norm(x, delta, weight, eps, True)
+    return cpu_kernels().add_rms_norm(x, delta, weight, eps, True)

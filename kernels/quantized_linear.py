@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.huge_pages import empty_on_huge_pages
 from vlmserve.kernels.linear import GEMV_MAX_ROWS, linear_cpu, reusable_buffer
 from vlmserve.kernels.registry import register
@@ -238,15 +239,15 @@ def quantized_linear_cpu(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tenso
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if qw.layout == "gemv" and 0 < rows <= tiled_max_rows(qw.method) and x.dtype == qw.dtype:
         if qw.method == "int8":
-            return torch.ops.vlmserve_cpu.int8_tiled_gemv(x, qw.data, qw.scales, bias)
-        return torch.ops.vlmserve_cpu.int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
+            return cpu_kernels().int8_tiled_gemv(x, qw.data, qw.scales, bias)
+        return cpu_kernels().int4_gemv(x, qw.data, qw.scales, qw.zeros, bias)
     if not 0 < rows <= PACKED_MAX_ROWS[qw.method] or x.dtype != qw.dtype or qw.layout == "gemv":
         return dequantized_linear(x, qw, bias)
     flat = x.reshape(rows, x.shape[-1])
     if qw.method == "fp8" and _fp8_kernels_fit(qw):
-        return torch.ops.vlmserve_cpu.fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
+        return cpu_kernels().fp8_gemv(x, qw.data.view(torch.uint8), qw.scales, bias)
     if qw.method == "int8" and rows <= GEMV_MAX_ROWS and _int8_gemv_fits(qw):
-        return torch.ops.vlmserve_cpu.int8_gemv(x, qw.data, qw.scales, bias)
+        return cpu_kernels().int8_gemv(x, qw.data, qw.scales, bias)
     if qw.method == "int8":
         out = torch.ops.aten._weight_int8pack_mm(flat, qw.data, qw.scales)
     elif qw.layout == "cpu_blocked":
@@ -301,16 +302,16 @@ def _dequantize_to_scratch(qw: QuantizedWeight) -> torch.Tensor:
     w = buffer[:numel].view(qw.shape)
     if qw.method == "fp8":
         if _fp8_kernels_fit(qw):
-            torch.ops.vlmserve_cpu.fp8_dequantize(qw.data.view(torch.uint8), qw.scales, w)
+            cpu_kernels().fp8_dequantize(qw.data.view(torch.uint8), qw.scales, w)
             return w
         return w.copy_(dequantize(qw))
     if qw.method == "int8" and qw.layout == "gemv":
-        torch.ops.vlmserve_cpu.int8_tiled_dequantize(qw.data, qw.scales, w)
+        cpu_kernels().int8_tiled_dequantize(qw.data, qw.scales, w)
         return w
     if qw.method == "int8":
         return w.copy_(qw.data).mul_(qw.scales[:, None])
     if qw.layout == "gemv":
-        torch.ops.vlmserve_cpu.int4_dequantize(qw.data, qw.scales, qw.zeros, w)
+        cpu_kernels().int4_dequantize(qw.data, qw.scales, qw.zeros, w)
         return w
     grouped = w.view(qw.shape[0], -1, qw.group).copy_(int4_values(qw).view(qw.shape[0], -1, qw.group))
     if qw.layout != "cpu_blocked":

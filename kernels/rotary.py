@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.registry import register
 
 
@@ -33,4 +34,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @register("apply_rotary", "cpu", available=cpu_extension.available)
 def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One pass in C++ (kernels/csrc/elementwise.cpp), x's dtype out."""
-    return torch.ops.vlmserve_cpu.apply_rotary(x, cos, sin)
+    return cpu_kernels().apply_rotary(x, cos, sin)

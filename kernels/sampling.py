@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vlmserve.kernels import cpu_extension
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.registry import register
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -27,4 +28,4 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 @register("apply_token_bitmask", "cpu", available=cpu_extension.available)
 def apply_token_bitmask_cpu(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    torch.ops.vlmserve_cpu.apply_token_bitmask(logits, rows, bitmask)
+    cpu_kernels().apply_token_bitmask(logits, rows, bitmask)

@@ -37,13 +37,13 @@ class MRoPEDecoder(nn.Module):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
         cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
-        x = embeds
+        x, delta = embeds, None  # the hidden state is x + delta (see PreNormDecoderLayer)
         deep = ctx.deepstack
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx)
+            x, delta = layer(x, delta, cos, sin, ctx)
             if deep is not None and i < deep.features.shape[1]:
-                x = x.index_add(0, deep.token_index, deep.features[:, i])
-        return self.norm(x)
+                x, delta = (x + delta).index_add(0, deep.token_index, deep.features[:, i]), None
+        return self.norm.add_and_norm(x, delta)[1]
 
 
 class VisionLanguageModel(nn.Module):

@@ -140,10 +140,12 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext):
-        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
+    def forward(self, x, delta, cos, sin, ctx: ForwardContext):
+        """(x, delta) in and out, as PreNormDecoderLayer's."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
+        attended = self.post_attention_layernorm(self.self_attn(h, cos, sin, ctx))
         x, h = self.pre_feedforward_layernorm.add_and_norm(x, attended)
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class TextModel(nn.Module):
@@ -165,10 +167,10 @@ class TextModel(nn.Module):
             freqs = positions[0].float()[:, None] * getattr(self, f"inv_freq_{kind}")[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             tables[kind] = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
-        x = embeds
+        x, delta = embeds, None
         for layer, kind in zip(self.layers, self.layer_types):
-            x = layer(x, *tables[kind], ctx)
-        return self.norm(x)
+            x, delta = layer(x, delta, *tables[kind], ctx)
+        return self.norm.add_and_norm(x, delta)[1]
 
 
 # ----------------------------------------------------------------------------- model

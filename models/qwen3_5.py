@@ -104,11 +104,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx: ForwardContext):
-        h = self.input_layernorm(x)
+    def forward(self, x, delta, cos, sin, ctx: ForwardContext):
+        """(x, delta) in and out, as PreNormDecoderLayer's."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
         mixed = self.linear_attn(h, ctx) if self.kind == "linear_attention" else self.self_attn(h, cos, sin, ctx)
         x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class TextModel(MRoPEDecoder):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmserve.kernels import gdn
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.attention import build_attention_metadata
 from vlmserve.kernels.linear import GEMV_OVER_PACKED_ROWS
 from vlmserve.models.layers import Linear
@@ -57,6 +58,18 @@ def paged_case(num_computed, query_lens, kv_heads, d, block_size, num_blocks=256
 
 
 @pytest.mark.parametrize("impl", ["portable", "cpu"])
+def test_the_kernels_show_in_torchs_profiler_under_their_names():
+    """The kernels are the extension module's functions, not torch ops; each records itself
+    as an op would (vlmserve_cpu::<name>), so a torch profile still names every kernel."""
+    from torch.profiler import profile
+
+    x, weight = torch.randn(2, 64), torch.rand(64)
+    with profile() as prof:
+        out = cpu_kernels().rms_norm(x, weight, 1e-6, False, None)
+    assert "vlmserve_cpu::rms_norm" in {event.key for event in prof.key_averages()}
+    torch.testing.assert_close(out, F.rms_norm(x, (64,), weight, 1e-6))
+
+
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
@@ -145,7 +158,7 @@ def test_the_kv_cache_write_of_cpp_equals_torchs(dtype):
     ref = [torch.zeros_like(c) for c in caches]
     slots = torch.tensor([17, 3, 159, 80, 81, 16])
     k, v = torch.randn(6, 2, 64).to(dtype), torch.randn(6, 2, 64).to(dtype)
-    torch.ops.vlmserve_cpu.write_kv_cache(k, v, *caches, slots)
+    cpu_kernels().write_kv_cache(k, v, *caches, slots)
     write_kv_cache(k, v, *ref, slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     keys, values = read_kv_cache(*caches, slots // 16, slots % 16)
@@ -261,9 +274,9 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
                     and cpu_extension.available())
                    or (rows <= linear.WIDENING_GEMV_MAX_ROWS and cpu_extension.widens_bf16()))
     if uses_kernel:
-        torch.testing.assert_close(got, torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b), atol=0, rtol=0)
+        torch.testing.assert_close(got, cpu_kernels().bf16_gemv(x, weight, b), atol=0, rtol=0)
         if b is not None:  # a bias in fp32 is added to the fp32 sums as it is
-            got = torch.ops.vlmserve_cpu.bf16_gemv(x, weight, b.float() + 1e-3)
+            got = cpu_kernels().bf16_gemv(x, weight, b.float() + 1e-3)
             torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.05, rtol=1e-2)
 
 
@@ -311,7 +324,7 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 3 * 64)
     torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
     if bias:  # a bias in fp32 is added to the fp32 sums as it is
-        got = torch.ops.vlmserve_cpu.bf16_batch_linear(x, layer.packed_weight, layer.bias.float() + 1e-3)
+        got = cpu_kernels().bf16_batch_linear(x, layer.packed_weight, layer.bias.float() + 1e-3)
         torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
     odd = Linear(64, 100).to(torch.bfloat16)
     odd.pack()
@@ -488,7 +501,7 @@ def test_bf16_batched_decode_linear_equals_an_fp32_product_rounded_once(rows, bi
     if rows <= linear.AMX_MAX_ROWS and cpu_extension.has_amx():
         # the kernel's own: equal to the fp32 product rounded once, up to the order of its sums
         torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
-        torch.testing.assert_close(got, torch.ops.vlmserve_cpu.amx_linear(x, weight, b), atol=0, rtol=0)
+        torch.testing.assert_close(got, cpu_kernels().amx_linear(x, weight, b), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("seq_lens", [[7, 7, 7], [16, 15, 16, 14], [5, 9, 5, 12, 9, 1]])

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from conftest import HFReference, assert_greedy_like_transformers, make_image
 from vlmserve import LLM, SamplingParams
 from vlmserve.kernels import kernel_table
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.quantized_linear import (
     METHODS,
     QuantizedWeight,
@@ -98,12 +99,12 @@ def test_tiles_hold_each_row_and_dequantize_exactly(method):
     out = torch.empty(48, 384)
     if method == "int4":
         assert tiled.scales.shape == (3, 3, 16) and torch.equal(int4_values(tiled), int4_values(plain))
-        torch.ops.vlmserve_cpu.int4_dequantize(tiled.data, tiled.scales, tiled.zeros, out)
+        cpu_kernels().int4_dequantize(tiled.data, tiled.scales, tiled.zeros, out)
         expected = (int4_values(plain).float().view(48, 3, 128) * plain.scales.float()[..., None]
                     + plain.zeros.float()[..., None]).view(48, 384)
     else:
         assert tiled.data.dtype == torch.uint8 and torch.equal(int8_values(tiled), plain.data)
-        torch.ops.vlmserve_cpu.int8_tiled_dequantize(tiled.data, tiled.scales, out)
+        cpu_kernels().int8_tiled_dequantize(tiled.data, tiled.scales, out)
         expected = plain.data.float() * plain.scales.float()[:, None]
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-6)
     x = torch.zeros(1, 384, dtype=torch.bfloat16)
@@ -190,13 +191,13 @@ def test_the_fp8_conversion_is_exact_for_every_code():
     scales = torch.tensor([[1.0, 2.0, 0.5], [3.0, 1e-3, 1.0], [1.0, 1.0, 1.0], [0.25, 8.0, 1.0]])
     want = data.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(128, 1)
     out = torch.empty(4, 384)
-    torch.ops.vlmserve_cpu.fp8_dequantize(data, scales, out)
+    cpu_kernels().fp8_dequantize(data, scales, out)
     assert torch.equal(out, want)
     x = torch.zeros(1, 384)
     for k in (0, 5, 130, 383):  # one input at a time: the GEMV picks out one column exactly
         x.zero_()
         x[0, k] = 1.0
-        assert torch.equal(torch.ops.vlmserve_cpu.fp8_gemv(x, data, scales, None)[0], want[:, k])
+        assert torch.equal(cpu_kernels().fp8_gemv(x, data, scales, None)[0], want[:, k])
 
 
 def dequantized_checkpoint(source: str, method: str, dest: Path) -> Path:
@@ -259,6 +260,7 @@ def test_the_language_layers_keep_only_their_quantized_weights(wide_checkpoints,
 PEAK_RSS = """
 import sys
 from vlmserve.kernels import kernel_table
+from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.worker.model_loader import load_model
 
 def kb(field):

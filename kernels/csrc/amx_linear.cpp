@@ -20,7 +20,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -28,6 +27,8 @@
 #include <unistd.h>
 #define VLMSERVE_AMX 1
 #endif
+
+#include "kernels.h"
 
 namespace {
 
@@ -186,11 +187,5 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("amx_ready() -> bool", &amx_ready);
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("amx_linear", &amx_linear);
-}
+VLMSERVE_EXPORT(amx_linear);
+VLMSERVE_EXPORT(amx_ready);

@@ -16,7 +16,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -28,6 +27,7 @@
 
 #include "dispatch.h"
 #include "round_row.h"
+#include "kernels.h"
 
 namespace {
 
@@ -157,12 +157,5 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("bf16_pair_pack(Tensor weight, Tensor(a!) out) -> ()");
-  m.def("bf16_batch_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("bf16_pair_pack", &bf16_pair_pack);
-  m.impl("bf16_batch_linear", &bf16_batch_linear);
-}
+VLMSERVE_EXPORT(bf16_pair_pack);
+VLMSERVE_EXPORT(bf16_batch_linear);

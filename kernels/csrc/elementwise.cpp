@@ -5,13 +5,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
 #include <vector>
 
 #include "vec_math.h"
+#include "kernels.h"
 
 namespace {
 
@@ -206,16 +206,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered, Tensor? gate) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool zero_centered) -> (Tensor, Tensor)");
-  m.def("apply_rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("apply_rotary", &apply_rotary);
-  m.impl("silu_and_mul", &silu_and_mul);
-}
+VLMSERVE_EXPORT(rms_norm);
+VLMSERVE_EXPORT(add_rms_norm);
+VLMSERVE_EXPORT(apply_rotary);
+VLMSERVE_EXPORT(silu_and_mul);

@@ -22,7 +22,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +29,7 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "kernels.h"
 
 namespace {
 
@@ -228,14 +228,5 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, "
-        "Tensor query_start, Tensor slots, Tensor has_state, Tensor checkpoints) -> Tensor");
-  m.def("causal_conv1d(Tensor x, Tensor weight, Tensor(a!) conv_state, Tensor query_start, Tensor slots, "
-        "Tensor has_state, Tensor checkpoints) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("gated_delta_rule", &gated_delta_rule);
-  m.impl("causal_conv1d", &causal_conv1d);
-}
+VLMSERVE_EXPORT(gated_delta_rule);
+VLMSERVE_EXPORT(causal_conv1d);

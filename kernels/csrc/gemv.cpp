@@ -25,7 +25,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -39,6 +38,7 @@
 #endif
 
 #include "round_row.h"
+#include "kernels.h"
 
 namespace {
 
@@ -806,24 +806,11 @@ void fp8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("bf16_gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("int8_tiled_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("int8_tiled_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
-  m.def("int4_gemv(Tensor x, Tensor weight, Tensor scales, Tensor zeros, Tensor? bias) -> Tensor");
-  m.def("fp8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("fp8_dequantize(Tensor weight, Tensor scales, Tensor(a!) out) -> ()");
-  m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor zeros, Tensor(a!) out) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("bf16_gemv", &bf16_gemv);
-  m.impl("int8_gemv", &int8_gemv);
-  m.impl("int8_tiled_gemv", &int8_tiled_gemv);
-  m.impl("int8_tiled_dequantize", &int8_tiled_dequantize);
-  m.impl("int4_gemv", &int4_gemv);
-  m.impl("fp8_gemv", &fp8_gemv);
-  m.impl("fp8_dequantize", &fp8_dequantize);
-  m.impl("int4_dequantize", &int4_dequantize);
-}
+VLMSERVE_EXPORT(bf16_gemv);
+VLMSERVE_EXPORT(int8_gemv);
+VLMSERVE_EXPORT(int8_tiled_gemv);
+VLMSERVE_EXPORT(int8_tiled_dequantize);
+VLMSERVE_EXPORT(int4_gemv);
+VLMSERVE_EXPORT(fp8_gemv);
+VLMSERVE_EXPORT(fp8_dequantize);
+VLMSERVE_EXPORT(int4_dequantize);

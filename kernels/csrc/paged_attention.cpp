@@ -29,7 +29,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +45,7 @@
 #endif
 
 #include "vec_math.h"
+#include "kernels.h"
 
 namespace {
 
@@ -507,13 +507,5 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 
 }  // namespace
 
-TORCH_LIBRARY(vlmserve_cpu, m) {
-  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start, "
-        "Tensor seq_lens, int window, float scale, Tensor? key_ends=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv_cache", &write_kv_cache);
-}
+VLMSERVE_EXPORT(write_kv_cache);
+VLMSERVE_EXPORT(paged_attention);

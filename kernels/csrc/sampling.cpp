@@ -5,7 +5,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -13,6 +12,8 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+#include "kernels.h"
 
 namespace {
 
@@ -57,10 +58,4 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor rows, Tensor bitmask) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) {
-  m.impl("apply_token_bitmask", &apply_token_bitmask);
-}
+VLMSERVE_EXPORT(apply_token_bitmask);

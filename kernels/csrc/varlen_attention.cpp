@@ -17,7 +17,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +29,7 @@
 
 #include "dispatch.h"
 #include "vec_math.h"
+#include "kernels.h"
 
 namespace {
 
@@ -249,8 +249,4 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(vlmserve_cpu, m) {
-  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vlmserve_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
+VLMSERVE_EXPORT(varlen_attention);
