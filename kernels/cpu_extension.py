@@ -1,5 +1,5 @@
 """vlmserve's C++ kernels for the CPU, built on first use with torch's extension tools
-and cached on disk (once per machine: 1-2 minutes with g++ on 2 cores). Python calls them
+and cached on disk (once per machine: about 2 minutes with g++ on 2 cores). Python calls them
 through the extension's own module (`cpu_kernels()`), not torch.ops (csrc/python_module.cpp says why).
 
 The build is keyed by the sources, the compiler flags and this CPU's instruction-set
@@ -101,7 +101,7 @@ def _load() -> ModuleType | None:
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        logger.info("building vlmserve's CPU kernels (once on this machine, 1-2 minutes)")
+        logger.info("building vlmserve's CPU kernels (once on this machine, about 2 minutes)")
     try:
         return load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(CSRC)],
