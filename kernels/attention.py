@@ -201,7 +201,7 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         if flash_from is not None and meta.sliding_window == 0 and meta.key_ends is None else []
     if not long:
         return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                                      meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
+                                             meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
     out = torch.empty_like(q)
     rest = [i for i in range(len(meta.seq_lens_host)) if i not in long]
     if rest:  # the decodes and short chunks of the batch, on the paged kernel
@@ -210,7 +210,7 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         query_start = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
         picked = torch.tensor(rest)
         out[rows] = cpu_kernels().paged_attention(q[rows], k_cache, v_cache, meta.block_tables[picked],
-                                                           query_start, meta.seq_lens[picked], 0, scale, None)
+                                                  query_start, meta.seq_lens[picked], 0, scale, None)
     block_size = k_cache.shape[3]
     for i in long:
         s, e = starts[i], starts[i + 1]

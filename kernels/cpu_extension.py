@@ -77,7 +77,7 @@ def available() -> bool:
 
 
 def cpu_kernels() -> ModuleType:
-    """The kernels' Python module: one function per kernel (kernels/csrc/python_functions.h)."""
+    """The kernels' Python module: one function per kernel (kernels/csrc/python_module.cpp)."""
     module = _load()
     if module is None:
         raise RuntimeError("vlmserve's CPU kernels are not available (see available())")

@@ -194,7 +194,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 def causal_conv1d_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       meta: RecurrentMetadata) -> torch.Tensor:
     return cpu_kernels().causal_conv1d(x, weight, conv_state, meta.query_start, meta.slots, meta.has_state,
-                                                meta.checkpoints)
+                                       meta.checkpoints)
 
 
 @register("gated_delta_rule")
@@ -221,7 +221,7 @@ def gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          state: torch.Tensor, meta: RecurrentMetadata) -> torch.Tensor:
     """The C++ recurrence (kernels/csrc/gdn.cpp), token by token with each head's state in L1."""
     return cpu_kernels().gated_delta_rule(q, k, v, g.float(), beta.float(), state, meta.query_start,
-                                                   meta.slots, meta.has_state, meta.checkpoints)
+                                          meta.slots, meta.has_state, meta.checkpoints)
 
 
 def causal_conv1d_prefill(
