@@ -15,7 +15,17 @@ if __name__ == "vlmserve.kernels":
     from vlmserve.kernels.registry import KernelTable, ops, register, use_kernels
 
     # importing the modules registers their implementations
-    from vlmserve.kernels import attention, gdn, linear, lora, norms, quantized_linear, rotary, sampling  # noqa: F401
+    from vlmserve.kernels import (  # noqa: F401
+        attention,
+        decode_layers,
+        gdn,
+        linear,
+        lora,
+        norms,
+        quantized_linear,
+        rotary,
+        sampling,
+    )
 
     def kernel_table(device_type: str, triton: bool = False) -> KernelTable:
         """The ops for a device: CUDA runs the Triton kernels; the CPU its C++ ones, or

@@ -176,6 +176,15 @@ def has_bf16_matmul() -> bool:
         return False
 
 
+def one_row_on_bf16_gemv(weight: torch.Tensor) -> bool:
+    """Whether linear_cpu multiplies one bf16 row by this weight with bf16_gemv."""
+    if weight.dtype != torch.bfloat16:
+        return False
+    if not has_bf16_matmul():
+        return _widening_gemv_fits(weight)
+    return _gemv_fits(weight.new_empty((1, weight.shape[1])), weight)
+
+
 def _widening_gemv_fits(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] % 32 == 0 and weight.is_contiguous() and cpu_extension.widens_bf16()
 

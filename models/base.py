@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vlmserve.kernels import ops
+from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
 from vlmserve.models.layers import FusedLinear, Linear, mrope_cos_sin, rope_inv_freq
@@ -20,7 +21,11 @@ from vlmserve.multimodal.inputs import MultiModalFeature
 
 class MRoPEDecoder(nn.Module):
     """Embeddings, decoder layers, final norm; cos/sin of the M-RoPE positions are made
-    once per step and shared by every layer."""
+    once per step and shared by every layer. One token (one user decoding) goes through
+    the layers in one call where the kernels have it (ops.decode_layers)."""
+
+    # (its planner, Linear.lora_generation, the plan): made on first use, again when either changes
+    _decode_plan: tuple[Callable, int, DecodePlan | None] | None = None
 
     def __init__(self, cfg, make_layer: Callable[[Any, int], nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
                  default_section: list[int], default_theta: float, interleaved: bool = False) -> None:
@@ -38,12 +43,25 @@ class MRoPEDecoder(nn.Module):
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
         cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
         x, delta = embeds, None  # the hidden state is x + delta (see PreNormDecoderLayer)
+        plan = self.decode_plan() if embeds.shape[0] == 1 and ctx.deepstack is None else None
+        meta = plan.shared_metadata(ctx.attn_metadata) if plan is not None else None
+        if meta is not None:
+            return self.norm.add_and_norm(*ops.decode_layers(plan, x, delta, cos, sin, ctx.kv_caches, meta))[1]
         deep = ctx.deepstack
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, ctx)
             if deep is not None and i < deep.features.shape[1]:
                 x, delta = (x + delta).index_add(0, deep.token_index, deep.features[:, i]), None
         return self.norm.add_and_norm(x, delta)[1]
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The layers as ops.decode_layers runs them on this device (None: op by op), made
+        at the first step (the weights loaded, quantized and packed), again once a layer
+        gets LoRA slots."""
+        planner, generation = ops.plan_decode_layers, Linear.lora_generation
+        if self._decode_plan is None or self._decode_plan[:2] != (planner, generation):
+            self._decode_plan = (planner, generation, planner([layer.decode_weights() for layer in self.layers]))
+        return self._decode_plan[2]
 
 
 class VisionLanguageModel(nn.Module):

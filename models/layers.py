@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.kernels import ops
+from vlmserve.kernels.decode_layers import AttentionWeights, DecoderLayerWeights, Projection
 from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, dequantize, quantizable, quantize
 from vlmserve.models.lora import LinearLoRA, LoRABatch
 
@@ -64,6 +67,9 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     quantized_parts: dict[int, QuantizedWeight] | None = None  # a fused layer's shards, while loading
     lora: LinearLoRA | None = None
+    # counts the layers given LoRA slots in this process: a plan made of the weights before
+    # (MRoPEDecoder.decode_plan) is made again
+    lora_generation: ClassVar[int] = 0
 
     @property
     def shard_sizes_out(self) -> list[int]:
@@ -75,6 +81,7 @@ class Linear(nn.Linear):
             dtype = self.weight.dtype if self.quantized is None else self.quantized.dtype
             self.lora = LinearLoRA(batch, num_slots, self.in_features, self.shard_sizes_out, max_rank, dtype,
                                    self.weight.device)
+            Linear.lora_generation += 1
         return self.lora
 
     def pack(self) -> None:
@@ -123,6 +130,13 @@ class Linear(nn.Linear):
         self.quantized = weight
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
 
+    def decode_projection(self) -> Projection | None:
+        """Its weight (quantized, if it is) and bias, for ops.decode_layers; None with LoRA
+        slots (their products are added here)."""
+        if self.lora is not None:
+            return None
+        return Projection(self.weight if self.quantized is None else self.quantized, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             out = ops.quantized_linear(x, self.quantized, self.bias)
@@ -153,6 +167,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+
+    def decode_weights(self) -> tuple[Projection, Projection] | None:
+        """(gate_up, down) for ops.decode_layers, which runs silu only."""
+        gate_up, down = self.gate_up_proj.decode_projection(), self.down_proj.decode_projection()
+        return None if self.act is not F.silu or gate_up is None or down is None else (gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -264,6 +283,13 @@ class PagedAttention(nn.Module):
                            cos, sin)
         return self.o_proj(self.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), ctx))
 
+    def decode_weights(self) -> AttentionWeights | None:
+        """Its weights for ops.decode_layers (None: a family's attention that computes more)."""
+        qkv, o = self.qkv_proj.decode_projection(), self.o_proj.decode_projection()
+        if qkv is None or o is None or self.qkv_proj.out_features != self.q_size + 2 * self.kv_size:
+            return None  # LoRA slots, or a query gate
+        return AttentionWeights(self.layer_id, qkv, o, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], rotated."""
@@ -288,6 +314,13 @@ class QKNormAttention(PagedAttention):
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps)
 
+    def decode_weights(self) -> AttentionWeights | None:
+        weights = super().decode_weights()
+        if weights is None or not isinstance(self.q_norm, RMSNorm) or self.q_norm.eps != self.k_norm.eps:
+            return None  # ops.decode_layers runs plain RMSNorms of one eps
+        weights.q_norm, weights.k_norm, weights.qk_eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return weights
+
     def rotate(self, q, k, cos, sin):
         return ops.apply_rotary(self.q_norm(q), cos, sin), ops.apply_rotary(self.k_norm(k), cos, sin)
 
@@ -307,6 +340,15 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def decode_weights(self) -> DecoderLayerWeights | None:
+        """Its weights for ops.decode_layers (None: it computes something that does not run)."""
+        attention, mlp = self.self_attn.decode_weights(), self.mlp.decode_weights()
+        eps = self.input_layernorm.eps
+        if attention is None or mlp is None or self.post_attention_layernorm.eps != eps:
+            return None
+        return DecoderLayerWeights(self.input_layernorm.weight, self.post_attention_layernorm.weight, eps, attention,
+                                   *mlp)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, ctx
                 ) -> tuple[torch.Tensor, torch.Tensor]:

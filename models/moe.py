@@ -77,6 +77,10 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
+    def decode_weights(self) -> None:
+        """None: ops.decode_layers runs dense feed-forwards only (see GatedMLP)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)

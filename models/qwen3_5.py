@@ -104,6 +104,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def decode_weights(self) -> None:
+        """None: its attention (gated, or Gated DeltaNet) runs op by op (see PreNormDecoderLayer)."""
+        return None
+
     def forward(self, x, delta, cos, sin, ctx: ForwardContext):
         """(x, delta) in and out, as PreNormDecoderLayer's."""
         x, h = self.input_layernorm.add_and_norm(x, delta)

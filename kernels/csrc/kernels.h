@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace vlmserve::cpu_kernels {
 
@@ -61,6 +62,27 @@ extern Tensor (*const gated_delta_rule)(const Tensor& q, const Tensor& k, const 
 extern Tensor (*const causal_conv1d)(const Tensor& x, const Tensor& weight, Tensor& conv_state,
                                      const Tensor& query_start, const Tensor& slots, const Tensor& has_state,
                                      const Tensor& checkpoints);
+
+// decode_layers.cpp: a projection's weight in the form its one-row kernel reads
+struct DecodeLinear {
+  enum Kind : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };  // bf16_gemv, int8_tiled_gemv, int4_gemv
+  int64_t kind;
+  Tensor weight;
+  OptionalTensor scales, zeros, bias;
+};
+// a Qwen-style decoder layer's weights (q_norm and k_norm: a norm of each head's queries and keys)
+struct DecodeLayer {
+  Tensor input_norm, post_attention_norm;
+  OptionalTensor q_norm, k_norm;
+  DecodeLinear qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double scale, eps;
+};
+extern std::tuple<Tensor, Tensor> (*const decode_layers)(
+    const std::vector<DecodeLayer>& layers, const Tensor& x, const OptionalTensor& delta, const Tensor& cos,
+    const Tensor& sin, const std::vector<Tensor>& k_caches, const std::vector<Tensor>& v_caches,
+    const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& query_start, const Tensor& seq_lens,
+    int64_t window);
 
 // sampling.cpp
 extern void (*const apply_token_bitmask)(Tensor logits, const Tensor& rows, const Tensor& bitmask);

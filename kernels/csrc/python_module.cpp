@@ -9,6 +9,9 @@
 // headers (they double a kernel file's compile time).
 #include <ATen/record_function.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl_bind.h>
+
+#include <stdexcept>
 
 #include <string>
 #include <utility>
@@ -16,17 +19,50 @@
 
 #include "kernels.h"
 
+// a decoder's layers, built once in Python, passed to decode_layers by reference
+PYBIND11_MAKE_OPAQUE(std::vector<vlmserve::cpu_kernels::DecodeLayer>)
+
 namespace {
 
+namespace py = pybind11;
+
 template <typename R, typename... A>
-void def(pybind11::module_& m, const char* name, R (*fn)(A...)) {
+void def(py::module_& m, const char* name, R (*fn)(A...)) {
   m.def(
       name,
       [fn, traced = std::string("vlmserve_cpu::") + name](A... args) -> R {
         RECORD_FUNCTION(traced.c_str(), std::vector<c10::IValue>());
         return fn(std::forward<A>(args)...);
       },
-      pybind11::call_guard<pybind11::gil_scoped_release>());
+      py::call_guard<py::gil_scoped_release>());
+}
+
+void def_decode_layer_types(py::module_& m) {
+  namespace k = vlmserve::cpu_kernels;
+  using Tensor = k::Tensor;
+  using Optional = k::OptionalTensor;
+  py::class_<k::DecodeLinear>(m, "DecodeLinear")
+      .def(py::init([](const std::string& kind, Tensor weight, Optional scales, Optional zeros, Optional bias) {
+             const auto code = kind == "bf16" ? k::DecodeLinear::kBf16
+                               : kind == "int8" ? k::DecodeLinear::kInt8
+                               : kind == "int4" ? k::DecodeLinear::kInt4
+                                                : throw std::invalid_argument("DecodeLinear: unknown kind " + kind);
+             return k::DecodeLinear{code, std::move(weight), std::move(scales), std::move(zeros), std::move(bias)};
+           }),
+           py::arg("kind"), py::arg("weight"), py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
+           py::arg("bias") = py::none());
+  py::class_<k::DecodeLayer>(m, "DecodeLayer")
+      .def(py::init([](Tensor input_norm, Tensor post_attention_norm, Optional q_norm, Optional k_norm,
+                       k::DecodeLinear qkv, k::DecodeLinear o, k::DecodeLinear gate_up, k::DecodeLinear down,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps) {
+             return k::DecodeLayer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
+                                   std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
+                                   std::move(down), num_heads, num_kv_heads, head_dim, scale, eps};
+           }),
+           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"));
+  py::bind_vector<std::vector<k::DecodeLayer>>(m, "DecodeLayers");
 }
 
 }  // namespace
@@ -55,4 +91,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def(m, "gated_delta_rule", k::gated_delta_rule);
   def(m, "causal_conv1d", k::causal_conv1d);
   def(m, "apply_token_bitmask", k::apply_token_bitmask);
+  def_decode_layer_types(m);
+  def(m, "decode_layers", k::decode_layers);
 }
