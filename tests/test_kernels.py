@@ -551,3 +551,26 @@ def test_bf16_varlen_attention_kernel(heads, head_dim, seq_lens):
         torch_error = (own[rows].double() - ref).abs().max().item()
         assert (out[rows].double() - ref).abs().max().item() <= 1.5 * torch_error + 1e-3
         start += length
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torchs_argmax(dtype):
+    """Greedy decoding's argmax in C++: torch's index on every row — a real vocabulary's
+    width and widths that leave a tail past the vectors, the first of tied maxima, a NaN
+    counting as the largest (the first NaN), +inf, and rows that are -inf throughout."""
+    from vlmserve.kernels import sampling
+
+    torch.manual_seed(0)
+    cases = [torch.randn(rows, vocab).to(dtype) for rows, vocab in ((1, 151_936), (33, 4099), (3, 7), (2, 1))]
+    special = torch.full((6, 100), float("-inf")).to(dtype)
+    special[1, [37, 80]] = 5.0  # tied: the first
+    special[2, [10, 50, 90]] = torch.tensor([1e30, float("nan"), float("nan")]).to(dtype)  # NaN wins, the first
+    special[3, 99] = -1.0  # the last index
+    special[4, [3, 60]] = torch.tensor([float("inf"), 2.0]).to(dtype)
+    special[5, 7] = float("nan")  # NaN in the tail past 96
+    special[5, 97] = float("nan")
+    cases.append(special)
+    for logits in cases:
+        got = sampling.argmax_rows_cpu(logits)
+        assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1)), logits.shape
+    assert sampling.argmax_rows_cpu(special).tolist() == [0, 37, 50, 99, 3, 7]

@@ -1,3 +1,4 @@
+import contextlib
 import dataclasses
 
 import torch
@@ -93,3 +94,23 @@ def test_a_temperature_past_fp32s_range_draws_uniformly_among_the_allowed_tokens
 def frequencies_of(logits, b):
     tokens, _ = sample(logits, b)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[1]).float() / logits.shape[0]
+
+
+def test_greedy_reads_bf16_logits_as_they_are_and_picks_the_fp32_token():
+    """Greedy rows without logprobs or logit rules take the argmax of the head's bf16
+    logits (no fp32 copy); with a rule or logprobs, the fp32 path: the same tokens both ways,
+    under the CPU kernels and the portable ones."""
+    from vlmserve.kernels import kernel_table, use_kernels
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 1000).to(torch.bfloat16)
+    logits[2, [10, 700]] = 9.0  # a tie: the first
+    want = logits.float().argmax(dim=-1).tolist()
+    for table in (kernel_table("cpu"), None):
+        with use_kernels(table) if table else contextlib.nullcontext():
+            assert sample(logits, batch(5, temperature=0))[0] == want
+            tokens, entries = sample(logits, batch(5, temperature=0, logprobs=[1] * 5))
+            assert tokens == want and all(e is not None for e in entries)
+            banned = batch(5, temperature=0, banned=[[], [], [10], [], []])
+            assert sample(logits, banned)[0] == want[:2] + [700] + want[3:]
+    assert logits.dtype == torch.bfloat16 and logits[2, 10] == 9.0  # the caller's logits untouched

@@ -86,6 +86,7 @@ extern std::tuple<Tensor, Tensor> (*const decode_layers)(
 
 // sampling.cpp
 extern void (*const apply_token_bitmask)(Tensor logits, const Tensor& rows, const Tensor& bitmask);
+extern Tensor (*const argmax_rows)(const Tensor& logits);
 
 }  // namespace vlmserve::cpu_kernels
 

@@ -91,6 +91,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def(m, "gated_delta_rule", k::gated_delta_rule);
   def(m, "causal_conv1d", k::causal_conv1d);
   def(m, "apply_token_bitmask", k::apply_token_bitmask);
+  def(m, "argmax_rows", k::argmax_rows);
   def_decode_layer_types(m);
   def(m, "decode_layers", k::decode_layers);
 }

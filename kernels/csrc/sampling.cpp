@@ -1,7 +1,13 @@
-// A grammar's token bitmask applied to the logits in place: bit j of word w allowed token
-// 32w + j; every other token's logit becomes -inf. A JSON grammar allows few tokens at a
-// time, so most words are 0; with AVX-512 each word is two masked stores of -inf, and an
-// all-ones word is skipped. One row per task.
+// apply_token_bitmask: a grammar's token bitmask applied to the logits in place: bit j of
+// word w allowed token 32w + j; every other token's logit becomes -inf. A JSON grammar
+// allows few tokens at a time, so most words are 0; with AVX-512 each word is two masked
+// stores of -inf, and an all-ones word is skipped. One row per task.
+//
+// argmax_rows: greedy decoding's tokens, each row's first index of its largest logit (a NaN
+// counts as the largest, as in torch.argmax), from the head's bf16 logits as they are or from
+// fp32 ones. At 32 rows of a 151,936-token vocabulary, torch's argmax over an fp32 copy took
+// ~8 ms on a 2-core Xeon, a quarter of what the head's matmul takes; here one pass finds the
+// row's maximum, a second its first index, rows in parallel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -9,9 +15,10 @@
 #include <algorithm>
 #include <limits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <cstring>
 
 #include "kernels.h"
 
@@ -56,6 +63,81 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& rows, const at::Te
   });
 }
 
+
+inline float logit(const float* row, int64_t i) { return row[i]; }
+inline float logit(const uint16_t* row, int64_t i) {  // bf16: its bits are an fp32's top half
+  const uint32_t bits = static_cast<uint32_t>(row[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 top = _mm256_set1_ps(best), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load8(row + i);
+    top = _mm256_max_ps(top, x);  // a NaN lane goes its own way: caught by `unordered`
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  nan = _mm256_movemask_ps(unordered) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  for (const float lane : lanes) best = std::max(best, lane);
+#endif
+  for (; i < n; ++i) {
+    const float x = logit(row, i);
+    nan |= x != x;
+    best = std::max(best, x);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (logit(row, j) != logit(row, j)) return j;
+  }
+  i = 0;
+#ifdef __AVX2__
+  const __m256 target = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + i), target, _CMP_EQ_OQ));
+    if (hits) return i + __builtin_ctz(hits);
+  }
+#endif
+  for (; i < n; ++i)
+    if (logit(row, i) == best) return i;
+  return 0;  // every logit -inf: the first, as torch's
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 &&
+              (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "argmax_rows: fp32 or bf16 logits [rows, vocab]");
+  const at::Tensor rows = logits.contiguous();
+  const int64_t n = rows.size(0), vocab = rows.size(1);
+  at::Tensor out = at::empty({n}, rows.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
+  const void* base = rows.data_ptr();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = bf16 ? row_argmax(static_cast<const uint16_t*>(base) + r * vocab, vocab)
+                   : row_argmax(static_cast<const float*>(base) + r * vocab, vocab);
+  });
+  return out;
+}
+
 }  // namespace
 
 VLMSERVE_EXPORT(apply_token_bitmask);
+VLMSERVE_EXPORT(argmax_rows);

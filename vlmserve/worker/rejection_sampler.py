@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vlmserve.core.sched_output import LogprobsEntry
+from vlmserve.kernels import ops
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.worker.sampler import SamplingBatch, apply_logit_rules, draw, logprobs_entry, target_probs
 
@@ -46,7 +47,7 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], batch: SamplingBatch) 
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = apply_logit_rules(logits, batch)
     greedy = batch.temperature == 0
-    argmax = logits.argmax(dim=-1)
+    argmax = ops.argmax_rows(logits)
     draft_rows = torch.tensor([s + j for s, d in zip(starts, drafts) for j in range(len(d))], dtype=torch.long)
     draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
     probs = None if batch.all_greedy else target_probs(logits, batch)

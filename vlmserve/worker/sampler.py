@@ -50,6 +50,10 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return bool((self.temperature == 0).all())
 
+    @property
+    def has_logit_rules(self) -> bool:
+        return any(rule is not None for rule in (self.grammar, self.banned, self.logit_bias, self.penalties))
+
 
 def build_sampling_batch(batch: InputBatch, rows: list[int], vocab: int, grammar: GrammarBitmask | None,
                          eos_token_id: int | None, generator: torch.Generator) -> SamplingBatch:
@@ -135,15 +139,15 @@ def _penalties(batch: InputBatch, rows: list[int], params: list, vocab: int, dev
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[LogprobsEntry | None]]:
-    logits = logits.float()
-    raw_logprobs = None
-    if any(n is not None for n in batch.num_logprobs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # of the model, before any filtering
+    wants_logprobs = any(n is not None for n in batch.num_logprobs)
+    greedy = batch.all_greedy
+    if wants_logprobs or batch.has_logit_rules or not greedy:
+        logits = logits.float()
+    # else greedy on the head's logits as they are: bf16 to fp32 is exact, so the argmax is
+    # the same token, without an fp32 copy of [rows, vocab]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None  # the model's own
     logits = apply_logit_rules(logits, batch)
-    if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        tokens = _sample_random(logits, batch)
+    tokens = ops.argmax_rows(logits) if greedy else _sample_random(logits, batch)
 
     token_list = tokens.tolist()
     entries: list[LogprobsEntry | None] = []
@@ -194,7 +198,7 @@ def token_histories(token_ids: torch.Tensor, num_prompt: torch.Tensor, num_token
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = batch.temperature == 0
     sampled = draw(target_probs(logits, batch), batch.generators)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return torch.where(greedy, ops.argmax_rows(logits), sampled)
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
