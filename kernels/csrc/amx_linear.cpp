@@ -38,7 +38,8 @@ constexpr int64_t kDepth = 32;    // inputs per tile (64 bytes of bf16)
 constexpr int64_t kBlock = 32;    // weight rows per inner step (two left tiles)
 // A weight row of 2048 bf16 is 4 KB, so a block's rows fall in one set of the L1 cache and
 // evict each other there: they are brought to L2 this many steps (64 bytes each) ahead
-constexpr int64_t kPrefetchSteps = 8;
+// (16: 2-10% less time at 16-32 rows than 8 or 32, Sapphire Rapids, 2 threads)
+constexpr int64_t kPrefetchSteps = 16;
 
 #ifdef VLMSERVE_AMX
 // Linux gives a process the AMX register state only once it asks (once per process).
@@ -88,16 +89,18 @@ void block_products(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_
     // near a row's end this fetches the next row's start (or past the weight): harmless
     const uint16_t* ahead = wk + kPrefetchSteps * kDepth;
     for (int r = 0; r < kBlock; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K), _MM_HINT_T1);
+    // Tiles are not renamed: a load waits until the products before it that read the
+    // tile are done. So both products of the first weight half come first, and its next
+    // load can start while the second half's run (with the x rows moved on both threads and
+    // y written row by row: a 3B model's matrices at 32 rows 8-20% less time, 16 rows 0-11%)
     _tile_loadd(4, wk, stride);
-    _tile_loadd(5, wk + kTile * K, stride);
     _tile_loadd(6, x0 + kt * kTile * kDepth, 64);
+    if (XTiles == 2) _tile_loadd(7, x1 + kt * kTile * kDepth, 64);
+    _tile_loadd(5, wk + kTile * K, stride);
     _tile_dpbf16ps(0, 4, 6);
+    if (XTiles == 2) _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
-    if (XTiles == 2) {
-      _tile_loadd(7, x1 + kt * kTile * kDepth, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    if (XTiles == 2) _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, y, 64);
   _tile_stored(2, y + 2 * kTile * kTile, 64);
@@ -143,11 +146,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   xb.resize(std::max<size_t>(xb.size(), x_tiles * kTile * K / 2));
   const at::Tensor xc = x.contiguous();
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) {
-    uint32_t* dst = xb.data() + (m / kTile) * depth_tiles * kTile * kDepth / 2 + m % kTile;
-    const uint32_t* src = xp + m * K / 2;
-    for (int64_t pair = 0; pair < K / 2; ++pair) dst[pair * kTile] = src[pair];
-  }
+  // on both threads: at 32 rows of the down projection (K = 11008) it is 176K moves
+  uint32_t* xbp32 = xb.data();
+  at::parallel_for(0, K / 2, 512, [&](int64_t p0, int64_t p1) {
+    for (int64_t m = 0; m < M; ++m) {
+      uint32_t* dst = xbp32 + (m / kTile) * depth_tiles * kTile * kDepth / 2 + m % kTile;
+      const uint32_t* src = xp + m * K / 2;
+      for (int64_t pair = p0; pair < p1; ++pair) dst[pair * kTile] = src[pair];
+    }
+  });
   const auto* xbp = reinterpret_cast<const uint16_t*>(xb.data());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* out = y.data_ptr<at::BFloat16>();
@@ -172,9 +179,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
           for (int xj = 0; xj <= pair; ++xj) {
             const float* tile = acc + (2 * wi + xj) * kTile * kTile;
             const int64_t m0 = (mt + xj) * kTile, rows = std::min(kTile, M - m0), n0 = n + wi * kTile;
-            for (int64_t i = 0; i < kTile; ++i) {
-              const float b = bp ? bp[n0 + i] : 0.0f;
-              for (int64_t j = 0; j < rows; ++j) out[(m0 + j) * N + n0 + i] = at::BFloat16(tile[i * kTile + j] + b);
+            float b[kTile];
+            for (int64_t i = 0; i < kTile; ++i) b[i] = bp ? bp[n0 + i] : 0.0f;
+            for (int64_t j = 0; j < rows; ++j) {  // each row of y: 16 outputs side by side
+              at::BFloat16* y_row = out + (m0 + j) * N + n0;
+              for (int64_t i = 0; i < kTile; ++i) y_row[i] = at::BFloat16(tile[i * kTile + j] + b[i]);
             }
           }
       }
