@@ -105,8 +105,8 @@ class ModelRunner:
         for _ in range(self.kv_cache_config.num_tensor_slots):
             # zeroed: attention reads whole blocks, masked past each sequence's end, and a
             # masked position must still hold a finite number (0 * NaN is NaN)
-            slots.append((torch.zeros(k_shape, dtype=dtype, device=self.device),
-                          torch.zeros(v_shape, dtype=dtype, device=self.device)))
+            slots.append(tuple(self.kernels.empty_streamed(shape, dtype, self.device).zero_()
+                               for shape in (k_shape, v_shape)))
         slot_of = self.kv_cache_config.tensor_slot_of_layer()
         for g in self.groups:
             if isinstance(g.spec, AttentionSpec):
