@@ -36,10 +36,12 @@ constexpr int64_t kMaxRows = 64;  // rows of x per call (kernels/linear.py uses 
 constexpr int64_t kTile = 16;     // rows of a tile (weight rows or rows of x)
 constexpr int64_t kDepth = 32;    // inputs per tile (64 bytes of bf16)
 constexpr int64_t kBlock = 32;    // weight rows per inner step (two left tiles)
-// A weight row of 2048 bf16 is 4 KB, so a block's rows fall in one set of the L1 cache and
-// evict each other there: they are brought to L2 this many steps (64 bytes each) ahead
-// (16: 2-10% less time at 16-32 rows than 8 or 32, Sapphire Rapids, 2 threads)
-constexpr int64_t kPrefetchSteps = 16;
+// The block's weight rows are asked for this many steps (64 bytes each) ahead, into L1.
+// Measured on a 3B model's matrices (Sapphire Rapids, 2 threads), the whole model's time
+// at 8-32 rows: 2-4 steps ahead into L1 near the GEMV's bandwidth at 8-16 rows and 1.2x
+// it at 32; 8-12 steps ahead 2-8% slower; no prefetch 5-10% slower; 8-16 steps ahead into
+// L2 only (a row of 2048 bf16 is 4 KB, so a block's rows share one L1 set) 10-25% slower.
+constexpr int64_t kPrefetchSteps = 4;
 
 #ifdef VLMSERVE_AMX
 // Linux gives a process the AMX register state only once it asks (once per process).
@@ -88,7 +90,7 @@ void block_products(const uint16_t* w, int64_t K, const uint16_t* xb, int64_t m_
     const uint16_t* wk = w + n * K + kt * kDepth;
     // near a row's end this fetches the next row's start (or past the weight): harmless
     const uint16_t* ahead = wk + kPrefetchSteps * kDepth;
-    for (int r = 0; r < kBlock; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K), _MM_HINT_T1);
+    for (int r = 0; r < kBlock; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K), _MM_HINT_T0);
     // Tiles are not renamed: a load waits until the products before it that read the
     // tile are done. So both products of the first weight half come first, and its next
     // load can start while the second half's run (with the x rows moved on both threads and
