@@ -74,7 +74,7 @@ def empty_streamed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch
     """On 2 MB pages: the bf16 GEMV streams a layer's matrices and the output head 11-20%
     faster from them (Qwen2.5-VL-3B widths, 2 threads, AMD EPYC: 60 -> 68-72 GB/s); a
     batch's attention reads its KV blocks (4 KB each a head) 10-20% faster, and the matmuls
-    between keep their TLB entries (32 chats at 3B widths, Sapphire Rapids: 5-15% less
+    between keep their TLB entries (32 chats at 3B widths, an AMX Xeon: 5-15% less
     time a decode step)."""
     return empty_on_huge_pages(shape, dtype)
 

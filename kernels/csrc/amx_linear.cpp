@@ -37,7 +37,7 @@ constexpr int64_t kTile = 16;     // rows of a tile (weight rows or rows of x)
 constexpr int64_t kDepth = 32;    // inputs per tile (64 bytes of bf16)
 constexpr int64_t kBlock = 32;    // weight rows per inner step (two left tiles)
 // The block's weight rows are asked for this many steps (64 bytes each) ahead, into L1.
-// Measured on a 3B model's matrices (Sapphire Rapids, 2 threads), the whole model's time
+// Measured on a 3B model's matrices (an AMX Xeon, 2 threads), the whole model's time
 // at 8-32 rows: 2-4 steps ahead into L1 near the GEMV's bandwidth at 8-16 rows and 1.2x
 // it at 32; 8-12 steps ahead 2-8% slower; no prefetch 5-10% slower; 8-16 steps ahead into
 // L2 only (a row of 2048 bf16 is 4 KB, so a block's rows share one L1 set) 10-25% slower.
