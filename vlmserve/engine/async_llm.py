@@ -16,13 +16,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine, ProcessedRequest
 from vlmserve.engine.model_source import served_name
+from vlmserve.engine.processing_pool import processing_pool
 from vlmserve.lora.request import LoRARequest
 from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
@@ -55,8 +55,8 @@ class AsyncLLM:
         id); metrics_names: vLLM's series names ("vllm") or vlmserve's older ones."""
         self._engine = LLMEngine(args)
         self.max_pending = max_pending_requests
-        self.pool = ThreadPoolExecutor(args.processing_threads, thread_name_prefix="vlmserve-media")
-        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-large-prompt")
+        self.pool = processing_pool(args.processing_threads, "vlmserve-media")
+        self.large_pool = processing_pool(1, "vlmserve-large-prompt")
         self._commands: queue.Queue = queue.Queue()
         # written to with every command: wakes the engine thread while it waits for the
         # outputs of an engine core in a process of its own

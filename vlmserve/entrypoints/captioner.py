@@ -12,12 +12,13 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from vlmserve.engine.feeder import EngineFeeder
+from vlmserve.engine.processing_pool import processing_pool
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.hashing import mm_hash
 from vlmserve.multimodal.media import MediaLoader, modality_of
@@ -159,7 +160,7 @@ class Captioner:
             for m, q in (("image", prompt), ("video", video_prompt))
         }
         self.loader = MediaLoader(engine.args.media_limits())  # the engine's checks, on files the user named
-        self.pool = ThreadPoolExecutor(engine.args.processing_threads, thread_name_prefix="vlmserve-caption")
+        self.pool = processing_pool(engine.args.processing_threads, "vlmserve-caption")
         self._feeder: EngineFeeder | None = None
 
     def _prepare(self, path: str):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
+from vlmserve.engine.processing_pool import processing_pool
 from vlmserve.lora.request import LoRARequest
 from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
@@ -29,7 +29,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
-        self._pool = ThreadPoolExecutor(self.engine.args.processing_threads, thread_name_prefix="vlmserve-media")
+        self._pool = processing_pool(self.engine.args.processing_threads, "vlmserve-media")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use when given no sampling params: vlmserve's defaults
