@@ -125,38 +125,6 @@ def test_prompt_longer_than_the_context_is_refused(qwen25_path):
     assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].finished
 
 
-PROCESSING_THREADS_PROBE = """
-import os, sys
-import torch
-from PIL import Image
-from vlmserve import LLM, SamplingParams
-torch.set_num_threads(2)
-llm = LLM(sys.argv[1], num_kv_blocks=256)
-def chat(img):
-    return [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "Describe."}]}]
-params = SamplingParams(temperature=0, max_tokens=2)
-llm.generate("Hello", params)  # the processing pool's thread and the engine's OpenMP team exist
-before = len(os.listdir("/proc/self/task"))
-for i, size in enumerate([(640, 480), (512, 512)]):
-    llm.chat(chat(Image.new("RGB", size, (40 * i, 90, 200))), params)
-print(before, len(os.listdir("/proc/self/task")))
-"""
-
-
-def test_processing_a_picture_starts_no_openmp_threads_beside_the_engines(qwen25_path):
-    # A picture's resize and normalisation run in the processing pool. Were they
-    # multi-threaded, that thread's OpenMP team would take the process past the machine's
-    # cores, and the OpenMP runtime would stop spinning between parallel regions for the
-    # engine's team too: every kernel call of every later step would wait for a wake-up
-    # (a one-token step of this model's Qwen2.5-VL peer: 3 ms before, 9-10 ms after).
-    # In a process of its own: no other test's threads are counted.
-    run = subprocess.run([sys.executable, "-c", PROCESSING_THREADS_PROBE, qwen25_path], capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    before, after = map(int, run.stdout.split()[-2:])
-    assert after == before, f"{after - before} threads more after processing two pictures"
-
-
 def test_prompt_token_ids_outside_the_vocabulary_are_refused(llm):
     vocab = llm.engine.hf_config.text_config.vocab_size
     for bad in ([1, 2, vocab], [-1, 5]):

@@ -2,8 +2,8 @@
 results, so an HTTP server stays responsive however busy the model is.
 
 Media processing runs in a thread pool (never on the event loop, never on the step
-loop); the engine thread owns the engine and takes new requests and aborts between
-steps from a queue.
+loop); the engine thread builds and owns the engine and takes new requests and aborts
+between steps from a queue.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from vlmserve.engine.args import EngineArgs
@@ -53,7 +54,6 @@ class AsyncLLM:
                  metrics_names: str = "vllm") -> None:
         """served_model_name: the name its metrics carry (default: the model's folder or hub
         id); metrics_names: vLLM's series names ("vllm") or vlmserve's older ones."""
-        self._engine = LLMEngine(args)
         self.max_pending = max_pending_requests
         self.pool = processing_pool(args.processing_threads, "vlmserve-media")
         self.large_pool = processing_pool(1, "vlmserve-large-prompt")
@@ -69,12 +69,31 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
         self.death_listeners: list[Callable[[BaseException], None]] = []  # e.g. the server exits
-        self.stats = self._engine.stats()  # refreshed by the engine thread, read by /metrics
-        name = served_model_name or served_name(args.model, self._engine.model_path)
-        self.metrics = EngineMetrics(lambda: self.stats, name, self._engine.max_model_len, metrics_names)
-        self.step_listeners.append(self.metrics.on_step)
-        self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
+        # The engine is built by the thread that steps it: loading the weights here would
+        # give this thread a team of OpenMP threads beside the engine thread's, and with
+        # more OpenMP threads than cores every kernel call of every step waits for a
+        # wake-up (engine/processing_pool.py).
+        built: Future[LLMEngine] = Future()
+        self._stepping = threading.Event()  # set once the fields below exist
+        self._thread = threading.Thread(target=self._run, args=(args, built), name="vlmserve-engine", daemon=True)
         self._thread.start()
+        try:
+            self._engine = built.result()  # raises what building it raised
+        except BaseException:
+            self._wake_r.close()
+            self._wake_w.close()
+            raise
+        try:
+            self.stats = self._engine.stats()  # refreshed by the engine thread, read by /metrics
+            name = served_model_name or served_name(args.model, self._engine.model_path)
+            self.metrics = EngineMetrics(lambda: self.stats, name, self._engine.max_model_len, metrics_names)
+            self.step_listeners.append(self.metrics.on_step)
+        except BaseException:
+            self._stop.set()
+            self._stepping.set()
+            self.shutdown()
+            raise
+        self._stepping.set()
 
     # -- what the entry points need of the model (engine/protocol.py) -------------------------
     @property
@@ -212,8 +231,14 @@ class AsyncLLM:
         if not self.is_alive():
             raise EngineDeadError(f"the engine stopped: {self._error!r}")
 
-    def _run(self) -> None:
-        engine = self._engine
+    def _run(self, args: EngineArgs, built: Future) -> None:
+        try:
+            engine = LLMEngine(args)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(engine)
+        self._stepping.wait()
         try:
             while not self._stop.is_set():
                 # block for work only when idle; otherwise just drain what arrived

@@ -7,7 +7,8 @@ OpenMP threads of its own. Once a process holds more OpenMP threads than the mac
 cores, the OpenMP runtime (GNU libgomp) stops spinning between parallel regions for every
 team: each of the engine's kernel calls then wakes a sleeping thread first. Measured on a
 29M-parameter Qwen2.5-VL (2 cores): a one-token decode step 3.2 ms before the first
-picture was processed, 9-10 ms after it, for as long as the process lived.
+picture was processed, 9-10 ms after it, for as long as the process lived. (For the same
+reason a server's engine is built on the thread that steps it: engine/async_llm.py.)
 """
 
 from __future__ import annotations
