@@ -542,7 +542,7 @@ def test_bf16_varlen_attention_kernel(heads, head_dim, seq_lens):
     torch.manual_seed(head_dim)
     n, scale = sum(seq_lens), head_dim**-0.5
     q, k, v = torch.randn(n, 3, heads, head_dim, dtype=torch.bfloat16).unbind(1)
-    out = attention.varlen_attention_cpu(q, k, v, seq_lens, scale)
+    out = attention.varlen_attention_kernel(q, k, v, seq_lens, scale)
     own = attention.varlen_attention(q, k, v, seq_lens, scale)  # torch's, in bf16
     assert out.dtype == torch.bfloat16 and out.shape == (n, heads, head_dim)
     start = 0
