@@ -307,11 +307,13 @@ def varlen_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 # On CPUs with AMX, calls whose longest sequence has this many patches take torch's flash
-# attention; windows of fewer stay on the kernel (one call, no gathers by length): the
-# 32-picture batch of the small Qwen2.5-VL's vision tower 94 ms a call against 106 with the
-# kernel everywhere and 103 with torch everywhere (medians of 6); a 1-megapixel picture
-# through Qwen2.5-VL-3B's tower (8 layers, one of full attention) 1.38 s against 2.05.
-VARLEN_TORCH_FROM = 128
+# attention; shorter windows stay on the kernel (one call, no gathers by length). Measured
+# (medians of 6): the small Qwen2.5-VL's 32-picture batch (windows of 16 patches, full
+# attention over 169-529) 94 ms a call, against 106 with the kernel everywhere and 103
+# with torch everywhere; a 1-megapixel picture through Qwen2.5-VL-3B's tower (8 layers:
+# windows of 64 patches, one block of full attention over 5,184) 2.05 s with the kernel,
+# 1.59 with torch from 128 patches, 1.38 from 64.
+VARLEN_TORCH_FROM = 64
 
 # padded attention may do at most this many times the work of the sequences' own
 PADDING_LIMIT = 1.5
