@@ -115,6 +115,26 @@ def test_tiles_hold_each_row_and_dequantize_exactly(method):
 
 @pytest.mark.skipif(not tiled_kernels_available(), reason="vlmserve's int8/int4 kernels are not built here")
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("tiles", [37, 64, 3])  # per thread: streams and a remainder, whole streams, fewer than one
+def test_few_rows_read_in_streams_equal_the_one_stream_kernel(method, tiles):
+    """Up to four rows of x read each thread's tiles in several streams at once (the band's
+    last tiles one at a time); five rows read them in one stream. Each row's outputs are the
+    same either way (the integer sums are exact, the fp32 sums in the same order) and near
+    the dequantized product."""
+    torch.manual_seed(tiles)
+    w = torch.randn(16 * tiles, 256, dtype=torch.bfloat16)
+    tiled = prepare_quantized_weight_cpu(quantize(w, method))
+    assert tiled.layout == "gemv"
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    one_stream = quantized_linear_cpu(x, tiled, None)
+    for rows in (1, 2, 3, 4):
+        assert torch.equal(quantized_linear_cpu(x[:rows], tiled, None), one_stream[:rows])
+    expected = F.linear(x.float(), dequantize(tiled).float())
+    assert (one_stream.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.skipif(not tiled_kernels_available(), reason="vlmserve's int8/int4 kernels are not built here")
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_tiled_kernels_stay_exact_at_the_ends_of_the_range(method, rows):
     """Every weight at an end of its range (int8 -128 or 127, int4 0 or 15) against x whose

@@ -37,6 +37,7 @@
 #define VLMSERVE_INT_GEMV  // the int8 and int4 tiled-layout kernels: AVX512-VNNI or AVX2
 #endif
 
+#include "dispatch.h"
 #include "round_row.h"
 #include "kernels.h"
 
@@ -361,7 +362,24 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // a tile's group: 16 vectors of 64 bytes
-constexpr int64_t kPrefetchBytes = 8 * kTileGroupBytes;
+
+// A thread reads its tiles in several streams: S tiles (each from a contiguous part of the
+// thread's tiles) in lockstep, one group ahead prefetched in each. A core's streams are then
+// followed by the hardware prefetcher as the bf16 GEMV's four weight rows are, where one
+// stream with software prefetches alone holds the core to fewer loads in flight (the
+// line-fill buffers): measured on Qwen2.5-VL-3B's matrices streaming from memory (2 threads,
+// an AMX Xeon), one row of x: int4 21 -> 26 GB/s, the int8 head 26 -> 32 GB/s. Four streams
+// for one row of x, two for 2-4 (registers: streams x rows x chains accumulators).
+constexpr int streams_for(int rows) { return rows == 1 ? 4 : 2; }
+
+// the tiles a thread's band [t0, t1) is read in: f(S, t, stride) multiplies tiles t, t + stride,
+// ..., t + (S - 1) * stride together; the band's last tiles (fewer than S a stream) one at a time
+template <int S, typename F>
+inline void by_streams(int64_t t0, int64_t t1, F&& f) {
+  const int64_t per_stream = (t1 - t0) / S;
+  for (int64_t i = 0; i < per_stream; ++i) f(std::integral_constant<int, S>{}, t0 + i, per_stream);
+  for (int64_t t = t0 + S * per_stream; t < t1; ++t) f(std::integral_constant<int, 1>{}, t, int64_t{0});
+}
 
 // The tiled layout: weight rows in tiles of 16, a tile's groups of 128 inputs one after
 // another, each 16 vectors of 64 bytes; vector v holds in lane r (4 bytes) row r's inputs
@@ -369,47 +387,62 @@ constexpr int64_t kPrefetchBytes = 8 * kTileGroupBytes;
 // rows by the same 4 inputs of x (broadcast), the sums stay one a lane (no horizontal
 // reduction), and a tile's 16 scales and zero points are one load each ([N/16, G, 16]).
 //
-// out[m][16t..16t+15] for M rows of x from row r: sum over groups g of
-// scale[n][g] * x_scale[m][g] * sum_k q[n][k] * xq[m][k] + zero[n][g] * x_sum[m][g].
-template <int M>
+// out[m][16t..16t+15] for M rows of x from row r and S tiles t + s * stride: sum over groups
+// g of scale[n][g] * x_scale[m][g] * sum_k q[n][k] * xq[m][k] + zero[n][g] * x_sum[m][g].
+template <int M, int S>
 inline void int4_tile_rows(const int8_t* xq, const float* xs, const float* xsum, const uint8_t* w,
                            const uint16_t* scales, const uint16_t* zeros, int64_t K, int64_t N, int64_t r,
-                           int64_t t, float* out) {
+                           int64_t t, int64_t stride, float* out) {
+  // vectors a step: one stream takes two (four independent chains of dot products a row:
+  // one chain would wait on dpbusd's latency); S streams give S x 2 chains with one
+  constexpr int U = S == 1 ? 2 : 1;
+  // one stream: 8 groups ahead; S streams: each 1 group ahead (the hardware prefetcher does the rest)
+  constexpr int64_t kAhead = (S == 1 ? 8 : 1) * kTileGroupBytes;
   const int64_t G = K / kGroup;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const uint8_t* tile = w + t * G * kTileGroupBytes;
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* tiles[S];
+  for (int s = 0; s < S; ++s) tiles[s] = w + (t + s * stride) * G * kTileGroupBytes;
+  __m512 acc[S][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = tile + g * kTileGroupBytes;
-    // four independent chains of dot products a row (even/odd vector, low/high nibbles):
-    // one chain would wait on dpbusd's latency
-    __m512i dot[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < 4; ++c) dot[m][c] = _mm512_setzero_si512();
+    __m512i dot[S][M][2 * U];
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < 2 * U; ++c) dot[s][m][c] = _mm512_setzero_si512();
 #pragma GCC unroll 1  // kept a loop: unrolled, a group's prefetches go out in one burst (as int8's)
-    for (int v = 0; v < 16; v += 2) {
-      for (int u = 0; u < 2; ++u) {
-        const __m512i packed = _mm512_loadu_si512(wg + (v + u) * 64);
-        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchBytes + (v + u) * 64), _MM_HINT_T0);
-        const __m512i low = _mm512_and_si512(packed, low_nibbles);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-        for (int m = 0; m < M; ++m) {
-          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
-          dot[m][2 * u] = _mm512_dpbusd_epi32(dot[m][2 * u], low, _mm512_set1_epi32(xm[v + u]));
-          dot[m][2 * u + 1] = _mm512_dpbusd_epi32(dot[m][2 * u + 1], high, _mm512_set1_epi32(xm[16 + v + u]));
+    for (int v = 0; v < 16; v += U) {
+      for (int u = 0; u < U; ++u) {
+        for (int s = 0; s < S; ++s) {
+          const uint8_t* wg = tiles[s] + g * kTileGroupBytes;
+          const __m512i packed = _mm512_loadu_si512(wg + (v + u) * 64);
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + (v + u) * 64), _MM_HINT_T0);
+          const __m512i low = _mm512_and_si512(packed, low_nibbles);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
+            dot[s][m][2 * u] = _mm512_dpbusd_epi32(dot[s][m][2 * u], low, _mm512_set1_epi32(xm[v + u]));
+            dot[s][m][2 * u + 1] =
+                _mm512_dpbusd_epi32(dot[s][m][2 * u + 1], high, _mm512_set1_epi32(xm[16 + v + u]));
+          }
         }
       }
     }
-    const __m512 scale = bf16x16_to_fp32(scales + (t * G + g) * kTile);
-    const __m512 zero = bf16x16_to_fp32(zeros + (t * G + g) * kTile);
-    for (int m = 0; m < M; ++m) {
-      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(dot[m][0], dot[m][1]), _mm512_add_epi32(dot[m][2], dot[m][3]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(xs[(r + m) * G + g])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[(r + m) * G + g]), acc[m]);
+    for (int s = 0; s < S; ++s) {
+      const int64_t at = ((t + s * stride) * G + g) * kTile;
+      const __m512 scale = bf16x16_to_fp32(scales + at);
+      const __m512 zero = bf16x16_to_fp32(zeros + at);
+      for (int m = 0; m < M; ++m) {
+        __m512i sum = dot[s][m][0];
+        for (int c = 1; c < 2 * U; ++c) sum = _mm512_add_epi32(sum, dot[s][m][c]);
+        acc[s][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(xs[(r + m) * G + g])),
+                                    acc[s][m]);
+        acc[s][m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[(r + m) * G + g]), acc[s][m]);
+      }
     }
   }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (r + m) * N + t * kTile, acc[m]);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (r + m) * N + (t + s * stride) * kTile, acc[s][m]);
 }
 
 // f(M, r) for every row of x, kRowTile rows at a time (M a compile-time row count): a
@@ -457,8 +490,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const auto* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
   at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    if (M <= kRowTile) {
+      vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        by_streams<streams_for(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+          int4_tile_rows<R, decltype(streams)::value>(xp, xs, xsum, wp, sp, zp, K, N, 0, t, stride, op);
+        });
+      });
+      return;
+    }
     for (int64_t t = t0; t < t1; ++t)
-      by_row_tiles(M, [&](auto rows, int64_t r) { int4_tile_rows<rows>(xp, xs, xsum, wp, sp, zp, K, N, r, t, op); });
+      by_row_tiles(M, [&](auto rows, int64_t r) { int4_tile_rows<rows, 1>(xp, xs, xsum, wp, sp, zp, K, N, r, t, 0, op); });
   });
 #elif defined(VLMSERVE_AVX2_GEMV)
   const QuantizedRows xq = quantize_rows(x, M, K);
@@ -525,7 +567,6 @@ void int4_dequantize(const at::Tensor& weight, const at::Tensor& scales, const a
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 constexpr int64_t kInt8TileGroupBytes = kTile * kGroup;  // a tile's group: 32 vectors of 64 bytes
-constexpr int64_t kInt8PrefetchBytes = 4 * kInt8TileGroupBytes;
 
 // The int8 tiled layout, for bf16 x (--quantization int8, W8A8): as int4's, tiles of 16 weight
 // rows, a tile's groups of 128 inputs one after another, each 32 vectors of 64 bytes; vector
@@ -537,40 +578,51 @@ constexpr int64_t kInt8PrefetchBytes = 4 * kInt8TileGroupBytes;
 //
 // out[m][16t..16t+15] = scale[n] * (sum over groups g of x_scale[m][g] * sum_k (w[n][k] + 128) *
 // xq[m][k] - 128 * sum_g x_sum[m][g]).
-template <int M>
+template <int M, int S>
 inline void int8_tile_rows(const int8_t* xq, const float* xs, const float* x_offset, const uint8_t* w,
-                           const uint16_t* scales, int64_t K, int64_t N, int64_t r, int64_t t, float* out) {
-  constexpr int kChains = 4;  // independent dot products a row: one chain would wait on dpbusd's latency
+                           const uint16_t* scales, int64_t K, int64_t N, int64_t r, int64_t t, int64_t stride,
+                           float* out) {
+  // independent dot products a row: one chain would wait on dpbusd's latency (S streams give S)
+  constexpr int kChains = 4 / S > 0 ? 4 / S : 1;
+  // one stream: 4 groups ahead; S streams: each 1 group ahead (the hardware prefetcher does the rest)
+  constexpr int64_t kAhead = (S == 1 ? 4 : 1) * kInt8TileGroupBytes;
   const int64_t G = K / kGroup;
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[S][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wg = w + (t * G + g) * kInt8TileGroupBytes;
-    __m512i dot[M][kChains];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < kChains; ++c) dot[m][c] = _mm512_setzero_si512();
+    __m512i dot[S][M][kChains];
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < kChains; ++c) dot[s][m][c] = _mm512_setzero_si512();
     // kept a loop: fully unrolled, the compiler hoists a group's 32 prefetches into one
     // burst ahead of its loads, which then wait behind them (the GEMV 4-11% slower)
 #pragma GCC unroll 1
     for (int v = 0; v < 32; v += kChains)
-      for (int c = 0; c < kChains; ++c) {
-        const __m512i packed = _mm512_loadu_si512(wg + (v + c) * 64);
-        _mm_prefetch(reinterpret_cast<const char*>(wg + kInt8PrefetchBytes + (v + c) * 64), _MM_HINT_T0);
-        for (int m = 0; m < M; ++m) {
-          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
-          dot[m][c] = _mm512_dpbusd_epi32(dot[m][c], packed, _mm512_set1_epi32(xm[v + c]));
+      for (int c = 0; c < kChains; ++c)
+        for (int s = 0; s < S; ++s) {
+          const uint8_t* wg = w + ((t + s * stride) * G + g) * kInt8TileGroupBytes;
+          const __m512i packed = _mm512_loadu_si512(wg + (v + c) * 64);
+          _mm_prefetch(reinterpret_cast<const char*>(wg + kAhead + (v + c) * 64), _MM_HINT_T0);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xm = reinterpret_cast<const int32_t*>(xq + (r + m) * K + g * kGroup);
+            dot[s][m][c] = _mm512_dpbusd_epi32(dot[s][m][c], packed, _mm512_set1_epi32(xm[v + c]));
+          }
         }
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m) {
+        __m512i sum = dot[s][m][0];
+        for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[s][m][c]);
+        acc[s][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[(r + m) * G + g]), acc[s][m]);
       }
-    for (int m = 0; m < M; ++m) {
-      __m512i sum = dot[m][0];
-      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, dot[m][c]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(xs[(r + m) * G + g]), acc[m]);
-    }
   }
-  const __m512 scale = bf16x16_to_fp32(scales + t * kTile);
-  for (int m = 0; m < M; ++m)
-    _mm512_storeu_ps(out + (r + m) * N + t * kTile,
-                     _mm512_mul_ps(_mm512_sub_ps(acc[m], _mm512_set1_ps(x_offset[r + m])), scale));
+  for (int s = 0; s < S; ++s) {
+    const int64_t tile = t + s * stride;
+    const __m512 scale = bf16x16_to_fp32(scales + tile * kTile);
+    for (int m = 0; m < M; ++m)
+      _mm512_storeu_ps(out + (r + m) * N + tile * kTile,
+                       _mm512_mul_ps(_mm512_sub_ps(acc[s][m], _mm512_set1_ps(x_offset[r + m])), scale));
+  }
 }
 #endif
 
@@ -602,8 +654,17 @@ at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const 
   const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* op = acc.data_ptr<float>();
   at::parallel_for(0, N / kTile, kGrainRows / kTile, [&](int64_t t0, int64_t t1) {
+    if (M <= kRowTile) {
+      vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        by_streams<streams_for(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+          int8_tile_rows<R, decltype(streams)::value>(xp, xs, xo, wp, sp, K, N, 0, t, stride, op);
+        });
+      });
+      return;
+    }
     for (int64_t t = t0; t < t1; ++t)
-      by_row_tiles(M, [&](auto rows, int64_t r) { int8_tile_rows<rows>(xp, xs, xo, wp, sp, K, N, r, t, op); });
+      by_row_tiles(M, [&](auto rows, int64_t r) { int8_tile_rows<rows, 1>(xp, xs, xo, wp, sp, K, N, r, t, 0, op); });
   });
 #elif defined(VLMSERVE_AVX2_GEMV)
   const QuantizedRows xq = quantize_rows(x, M, K);
