@@ -260,7 +260,7 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     from vlmserve.kernels import cpu_extension, linear
 
     torch.manual_seed(0)
-    out_features = 4 * 37 + 3  # full bands of four weight rows and a tail
+    out_features = 4 * 37 + 3  # full bands of four (eight for one row of x) weight rows and a tail
     weight = torch.randn(out_features, 320).to(torch.bfloat16)
     b = torch.randn(out_features).to(torch.bfloat16) if bias else None
     x = torch.randn(2, rows, 320).to(torch.bfloat16)[:1]  # a view: not contiguous in memory

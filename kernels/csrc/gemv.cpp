@@ -1,9 +1,10 @@
 // y = x W^T + b for a few rows of x (decode: one to a few tokens) and a bf16 weight: a
 // matrix-vector product, bound by how fast the weight streams from memory. torch's bf16
 // path (oneDNN) reads it at about half of what this CPU can; here each thread streams its
-// own band of weight rows once, four at a time, each loaded 32 bf16 at a time and
-// multiplied with every row of x by AVX512-BF16 dot products (fp32 accumulation); 4 to 16
-// rows of x (a batch decoding, where a layer has no packed copy) in tiles of up to 6.
+// own band of weight rows once, four at a time (eight for one row of x), each loaded 32 bf16
+// at a time and multiplied with every row of x by AVX512-BF16 dot products (fp32
+// accumulation); 4 to 16 rows of x (a batch decoding, where a layer has no packed copy) in
+// tiles of up to 6.
 // int8_tiled_gemv does it for an int8 weight with one scale per row (--quantization int8,
 // W8A8) and bf16 x: half the bytes to stream, in tiles of 16 rows as int4's, multiplied with
 // x quantized to int8 per group of 128 by dpbusd. int8_gemv takes the plain [N, K] weight and
@@ -46,7 +47,7 @@ namespace {
 constexpr int64_t kMaxRows = 4;     // rows of x per call of the int8 GEMV (more: a matmul is the better tool)
 constexpr int64_t kMaxBf16Rows = 16;  // rows of x per call of the bf16 one (from 4: in tiles of up to 6)
 constexpr int64_t kRowTileMax = 6;    // rows of x per tile: 6 x 4 fp32 accumulators, 4 weight vectors, x's
-constexpr int64_t kPrefetchAhead = 512;  // weight elements each row is prefetched ahead by, from 4 rows of x
+constexpr int64_t kPrefetchAhead = 512;  // weight elements each row is prefetched ahead by (1 row of x, 4 on)
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
 
@@ -89,24 +90,29 @@ bool supported(const at::Tensor& x, const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 // out[m][n] for n in [n0, n1), M rows of x (bf16, K each), fp32 results.
+// One row of x takes 8 weight rows a step, each asked for kPrefetchAhead ahead: more loads in
+// flight than the hardware prefetcher alone keeps for 4 rows (a 3B model's matrices streaming
+// from memory, stand-alone, an AMX Xeon, 2 threads: 23-27 -> 27-33 GB/s).
 template <int M>
 void gemv_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
+  constexpr int NB = M == 1 ? 2 * kBand : kBand;
   int64_t n = n0;
-  for (; n + kBand <= n1; n += kBand) {
-    __m512 acc[M][kBand];
+  for (; n + NB <= n1; n += NB) {
+    __m512 acc[M][NB];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kBand; ++j) acc[m][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
     const uint16_t* rows = w + n * K;
     for (int64_t k = 0; k < K; k += 32) {
       __m512bh xv[M];
       for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int j = 0; j < kBand; ++j) {
+      for (int j = 0; j < NB; ++j) {
+        if (M == 1) _mm_prefetch(reinterpret_cast<const char*>(rows + j * K + k + kPrefetchAhead), _MM_HINT_T0);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(rows + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < kBand; ++j) out[m * N + n + j] = _mm512_reduce_add_ps(acc[m][j]);
+      for (int j = 0; j < NB; ++j) out[m * N + n + j] = _mm512_reduce_add_ps(acc[m][j]);
   }
   for (; n < n1; ++n) {  // the band's last rows, one at a time
     __m512 acc[M];
@@ -365,12 +371,14 @@ constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // a tile's group: 16 v
 
 // A thread reads its tiles in several streams: S tiles (each from a contiguous part of the
 // thread's tiles) in lockstep, one group ahead prefetched in each. A core's streams are then
-// followed by the hardware prefetcher as the bf16 GEMV's four weight rows are, where one
-// stream with software prefetches alone holds the core to fewer loads in flight (the
-// line-fill buffers): measured on Qwen2.5-VL-3B's matrices streaming from memory (2 threads,
-// an AMX Xeon), one row of x: int4 21 -> 26 GB/s, the int8 head 26 -> 32 GB/s. Four streams
-// for one row of x, two for 2-4 (registers: streams x rows x chains accumulators).
-constexpr int streams_for(int rows) { return rows == 1 ? 4 : 2; }
+// followed by the hardware prefetcher as the bf16 GEMV's weight rows are, where one stream
+// with software prefetches alone holds the core to fewer loads in flight (the line-fill
+// buffers). Measured on Qwen2.5-VL-3B's matrices streaming from memory (2 threads, an AMX
+// Xeon), one row of x: int4 21 -> 26 GB/s with four streams (eight: 22-23), int8 23 -> 29
+// with four and 31-33 with eight (its groups are twice as long). Two streams for 2-4 rows
+// (registers: streams x rows x chains accumulators).
+constexpr int int4_streams(int rows) { return rows == 1 ? 4 : 2; }
+constexpr int int8_streams(int rows) { return rows == 1 ? 8 : 2; }
 
 // the tiles a thread's band [t0, t1) is read in: f(S, t, stride) multiplies tiles t, t + stride,
 // ..., t + (S - 1) * stride together; the band's last tiles (fewer than S a stream) one at a time
@@ -493,7 +501,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     if (M <= kRowTile) {
       vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
         constexpr int R = decltype(rows)::value;
-        by_streams<streams_for(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+        by_streams<int4_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
           int4_tile_rows<R, decltype(streams)::value>(xp, xs, xsum, wp, sp, zp, K, N, 0, t, stride, op);
         });
       });
@@ -583,7 +591,7 @@ inline void int8_tile_rows(const int8_t* xq, const float* xs, const float* x_off
                            const uint16_t* scales, int64_t K, int64_t N, int64_t r, int64_t t, int64_t stride,
                            float* out) {
   // independent dot products a row: one chain would wait on dpbusd's latency (S streams give S)
-  constexpr int kChains = 4 / S > 0 ? 4 / S : 1;
+  constexpr int kChains = S >= 4 ? 1 : 4 / S;
   // one stream: 4 groups ahead; S streams: each 1 group ahead (the hardware prefetcher does the rest)
   constexpr int64_t kAhead = (S == 1 ? 4 : 1) * kInt8TileGroupBytes;
   const int64_t G = K / kGroup;
@@ -657,7 +665,7 @@ at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const 
     if (M <= kRowTile) {
       vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
         constexpr int R = decltype(rows)::value;
-        by_streams<streams_for(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+        by_streams<int8_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
           int8_tile_rows<R, decltype(streams)::value>(xp, xs, xo, wp, sp, K, N, 0, t, stride, op);
         });
       });
