@@ -437,9 +437,9 @@ inline void int4_tile_rows(const int8_t* xq, const float* xs, const float* xsum,
       }
     }
     for (int s = 0; s < S; ++s) {
-      const int64_t at = ((t + s * stride) * G + g) * kTile;
-      const __m512 scale = bf16x16_to_fp32(scales + at);
-      const __m512 zero = bf16x16_to_fp32(zeros + at);
+      const int64_t group_scales = ((t + s * stride) * G + g) * kTile;  // the tile's 16 for group g
+      const __m512 scale = bf16x16_to_fp32(scales + group_scales);
+      const __m512 zero = bf16x16_to_fp32(zeros + group_scales);
       for (int m = 0; m < M; ++m) {
         __m512i sum = dot[s][m][0];
         for (int c = 1; c < 2 * U; ++c) sum = _mm512_add_epi32(sum, dot[s][m][c]);
