@@ -25,6 +25,19 @@ from vlmserve.testing.checkpoints import (Experts, build_gemma3, build_qwen2_5_v
 torch.set_num_threads(2)
 
 
+@pytest.fixture(params=[False, True], ids=["one-stream", "streams"])
+def gemv_streams(request):
+    """Each way the decode GEMVs can read a thread's weight (the kernels' load sets one by CPU
+    family: cpu_extension.gemv_reads_in_streams), then this machine's way again."""
+    from vlmserve.kernels.cpu_extension import cpu_kernels
+
+    kernels = cpu_kernels()
+    before = kernels.gemv_streams()
+    kernels.set_gemv_streams(request.param)
+    yield request.param
+    kernels.set_gemv_streams(before)
+
+
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.RandomState(seed)
     return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))

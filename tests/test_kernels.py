@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlmserve.kernels import gdn
+from vlmserve.kernels import cpu_extension, gdn
 from vlmserve.kernels.cpu_extension import cpu_kernels
 from vlmserve.kernels.attention import build_attention_metadata
 from vlmserve.kernels.linear import GEMV_OVER_PACKED_ROWS
@@ -248,6 +248,20 @@ def test_packed_linear_equals_plain_linear(rows, bias):
     torch.testing.assert_close(layer(x), plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer(x.view(1, rows, 96)), plain.view(1, rows, 160), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.skipif(not (cpu_extension.available() and cpu_extension.has_bf16_dot()),
+                    reason="vlmserve's AVX512-BF16 GEMV is not built here")
+def test_one_bf16_row_reads_the_same_in_streams_or_in_one(gemv_streams):
+    """One row of x over 8 weight rows a step, each prefetched (streams), or over 4 (one
+    stream, the hardware prefetcher ahead): each output is the same sum in the same order."""
+    torch.manual_seed(1)
+    weight = torch.randn(8 * 37 + 5, 320).to(torch.bfloat16)  # whole steps of 8 and of 4, a tail
+    x = torch.randn(1, 320).to(torch.bfloat16)
+    got = cpu_kernels().bf16_gemv(x, weight, None)
+    cpu_kernels().set_gemv_streams(not gemv_streams)
+    torch.testing.assert_close(got, cpu_kernels().bf16_gemv(x, weight, None), atol=0, rtol=0)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float()), atol=0.05, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 12, 13, 16, 17, 64])

@@ -116,11 +116,11 @@ def test_tiles_hold_each_row_and_dequantize_exactly(method):
 @pytest.mark.skipif(not tiled_kernels_available(), reason="vlmserve's int8/int4 kernels are not built here")
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tiles", [37, 64, 3])  # per thread: streams and a remainder, whole streams, fewer than one
-def test_few_rows_read_in_streams_equal_the_one_stream_kernel(method, tiles):
-    """Up to four rows of x read each thread's tiles in several streams at once (the band's
-    last tiles one at a time); five rows read them in one stream. Each row's outputs are the
-    same either way (the integer sums are exact, the fp32 sums in the same order) and near
-    the dequantized product."""
+def test_few_rows_read_in_streams_equal_the_one_stream_kernel(method, tiles, gemv_streams):
+    """Where the GEMVs read in streams, up to four rows of x read each thread's tiles in
+    several streams at once (the band's last tiles one at a time); otherwise, and at five
+    rows, in one stream. Each row's outputs are the same either way (the integer sums are
+    exact, the fp32 sums in the same order) and near the dequantized product."""
     torch.manual_seed(tiles)
     w = torch.randn(16 * tiles, 256, dtype=torch.bfloat16)
     tiled = prepare_quantized_weight_cpu(quantize(w, method))

@@ -20,6 +20,7 @@
 // byte a value, converted to fp32 in registers (no FP8 math on these CPUs).
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -50,6 +51,19 @@ constexpr int64_t kRowTileMax = 6;    // rows of x per tile: 6 x 4 fp32 accumula
 constexpr int64_t kPrefetchAhead = 512;  // weight elements each row is prefetched ahead by (1 row of x, 4 on)
 constexpr int64_t kBand = 4;        // weight rows per inner step (independent accumulators)
 constexpr int64_t kGrainRows = 64;  // weight rows per parallel task
+
+// Whether one row of x reads a thread's weight in several memory streams (the bf16 GEMV 8
+// weight rows a step, each prefetched; int4 4 and int8 8 tiles in lockstep; 2-4 rows 2 tiles)
+// or in one stream with software prefetches ahead (4 weight rows; 1 tile). Which reads
+// faster depends on the core's prefetchers, so the Python side sets it once by CPU family
+// (kernels/cpu_extension.py). Measured on Qwen2.5-VL-3B's matrices streaming from memory, one
+// row of x, 2 threads: on an AMX Xeon several streams read int4 21 -> 26 GB/s, int8 23 -> 31-33,
+// bf16 23-27 -> 27-33; on an AMD EPYC (Zen 4) one stream reads faster: int4 35-40 against
+// 27-28 GB/s, int8 39-41 against 28, bf16 about even (0.85-1.03x).
+std::atomic<bool> several_streams{false};
+
+void set_gemv_streams(bool several) { several_streams.store(several, std::memory_order_relaxed); }
+bool gemv_streams() { return several_streams.load(std::memory_order_relaxed); }
 
 template <typename out_t, typename bias_t>
 void round_rows(const float* acc, const bias_t* bias, out_t* out, int64_t M, int64_t N) {
@@ -90,12 +104,11 @@ bool supported(const at::Tensor& x, const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 // out[m][n] for n in [n0, n1), M rows of x (bf16, K each), fp32 results.
-// One row of x takes 8 weight rows a step, each asked for kPrefetchAhead ahead: more loads in
-// flight than the hardware prefetcher alone keeps for 4 rows (a 3B model's matrices streaming
-// from memory, stand-alone, an AMX Xeon, 2 threads: 23-27 -> 27-33 GB/s).
-template <int M>
+// With kStreams, one row of x takes 8 weight rows a step, each asked for kPrefetchAhead ahead:
+// more loads in flight than the hardware prefetcher alone keeps for 4 rows (gemv_streams()).
+template <int M, bool kStreams = false>
 void gemv_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t n0, int64_t n1, float* out) {
-  constexpr int NB = M == 1 ? 2 * kBand : kBand;
+  constexpr int NB = kStreams ? 2 * kBand : kBand;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     __m512 acc[M][NB];
@@ -106,7 +119,7 @@ void gemv_band(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64
       __m512bh xv[M];
       for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
       for (int j = 0; j < NB; ++j) {
-        if (M == 1) _mm_prefetch(reinterpret_cast<const char*>(rows + j * K + k + kPrefetchAhead), _MM_HINT_T0);
+        if (kStreams) _mm_prefetch(reinterpret_cast<const char*>(rows + j * K + k + kPrefetchAhead), _MM_HINT_T0);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(rows + j * K + k);
         for (int m = 0; m < M; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv[m], wv);
       }
@@ -195,7 +208,10 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
   float* op = acc.data_ptr<float>();
   at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
     switch (M) {
-      case 1: gemv_band<1>(xp, wp, K, N, n0, n1, op); break;
+      case 1:
+        if (gemv_streams()) gemv_band<1, true>(xp, wp, K, N, n0, n1, op);
+        else gemv_band<1>(xp, wp, K, N, n0, n1, op);
+        break;
       case 2: gemv_band<2>(xp, wp, K, N, n0, n1, op); break;
       case 3: gemv_band<3>(xp, wp, K, N, n0, n1, op); break;
       default: tiled_band(xp, wp, M, K, N, n0, n1, op); break;
@@ -369,14 +385,13 @@ inline float bf16_to_float(uint16_t v) {
 }
 constexpr int64_t kTileGroupBytes = kTile * kGroup / 2;  // a tile's group: 16 vectors of 64 bytes
 
-// A thread reads its tiles in several streams: S tiles (each from a contiguous part of the
-// thread's tiles) in lockstep, one group ahead prefetched in each. A core's streams are then
-// followed by the hardware prefetcher as the bf16 GEMV's weight rows are, where one stream
-// with software prefetches alone holds the core to fewer loads in flight (the line-fill
-// buffers). Measured on Qwen2.5-VL-3B's matrices streaming from memory (2 threads, an AMX
-// Xeon), one row of x: int4 21 -> 26 GB/s with four streams (eight: 22-23), int8 23 -> 29
-// with four and 31-33 with eight (its groups are twice as long). Two streams for 2-4 rows
-// (registers: streams x rows x chains accumulators).
+// With gemv_streams(), a thread reads its tiles in several streams: S tiles (each from a
+// contiguous part of the thread's tiles) in lockstep, one group ahead prefetched in each. On
+// an Intel core the hardware prefetcher then follows the streams as it does the bf16 GEMV's
+// weight rows, where one stream with software prefetches alone holds the core to fewer loads
+// in flight (the line-fill buffers). On the AMX Xeon: int4 best with four streams (eight:
+// 22-23 GB/s against 26), int8 with eight (its groups are twice as long). Two streams for 2-4
+// rows (registers: streams x rows x chains accumulators).
 constexpr int int4_streams(int rows) { return rows == 1 ? 4 : 2; }
 constexpr int int8_streams(int rows) { return rows == 1 ? 8 : 2; }
 
@@ -387,6 +402,13 @@ inline void by_streams(int64_t t0, int64_t t1, F&& f) {
   const int64_t per_stream = (t1 - t0) / S;
   for (int64_t i = 0; i < per_stream; ++i) f(std::integral_constant<int, S>{}, t0 + i, per_stream);
   for (int64_t t = t0 + S * per_stream; t < t1; ++t) f(std::integral_constant<int, 1>{}, t, int64_t{0});
+}
+
+// by_streams with S streams where gemv_streams() says so, else with one
+template <int S, typename F>
+inline void by_streams_if_set(int64_t t0, int64_t t1, F&& f) {
+  if (gemv_streams()) by_streams<S>(t0, t1, f);
+  else by_streams<1>(t0, t1, f);
 }
 
 // The tiled layout: weight rows in tiles of 16, a tile's groups of 128 inputs one after
@@ -501,7 +523,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     if (M <= kRowTile) {
       vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
         constexpr int R = decltype(rows)::value;
-        by_streams<int4_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+        by_streams_if_set<int4_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
           int4_tile_rows<R, decltype(streams)::value>(xp, xs, xsum, wp, sp, zp, K, N, 0, t, stride, op);
         });
       });
@@ -665,7 +687,7 @@ at::Tensor int8_tiled_gemv(const at::Tensor& x, const at::Tensor& weight, const 
     if (M <= kRowTile) {
       vlmserve::with_constant<kRowTile>(static_cast<int>(M), [&](auto rows) {
         constexpr int R = decltype(rows)::value;
-        by_streams<int8_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
+        by_streams_if_set<int8_streams(R)>(t0, t1, [&](auto streams, int64_t t, int64_t stride) {
           int8_tile_rows<R, decltype(streams)::value>(xp, xs, xo, wp, sp, K, N, 0, t, stride, op);
         });
       });
@@ -883,3 +905,5 @@ VLMSERVE_EXPORT(int4_gemv);
 VLMSERVE_EXPORT(fp8_gemv);
 VLMSERVE_EXPORT(fp8_dequantize);
 VLMSERVE_EXPORT(int4_dequantize);
+VLMSERVE_EXPORT(set_gemv_streams);
+VLMSERVE_EXPORT(gemv_streams);

@@ -46,6 +46,8 @@ extern void (*const int4_dequantize)(const Tensor& weight, const Tensor& scales,
 extern Tensor (*const fp8_gemv)(const Tensor& x, const Tensor& weight, const Tensor& scales,
                                 const OptionalTensor& bias);
 extern void (*const fp8_dequantize)(const Tensor& weight, const Tensor& scales, Tensor& out);
+extern void (*const set_gemv_streams)(bool several);  // set by CPU family (cpu_extension.py)
+extern bool (*const gemv_streams)();
 
 // bf16_batch_linear.cpp
 extern void (*const bf16_pair_pack)(const Tensor& weight, Tensor& out);

@@ -84,6 +84,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def(m, "int4_dequantize", k::int4_dequantize);
   def(m, "fp8_gemv", k::fp8_gemv);
   def(m, "fp8_dequantize", k::fp8_dequantize);
+  def(m, "set_gemv_streams", k::set_gemv_streams);
+  def(m, "gemv_streams", k::gemv_streams);
   def(m, "bf16_pair_pack", k::bf16_pair_pack);
   def(m, "bf16_batch_linear", k::bf16_batch_linear);
   def(m, "amx_linear", k::amx_linear);
