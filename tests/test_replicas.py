@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -57,6 +59,27 @@ def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
             return
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def ray_driver(script: str, timeout: float = 120) -> str:
+    """Runs script as a Ray driver of the server's cluster in a process of its own, and
+    returns what it prints. Not in pytest's process: a Ray 2.60 driver keeps its metrics
+    exporter thread after ray.shutdown(), and that thread logging while the process exits
+    crashed pytest (SIGSEGV, after every test had passed)."""
+    program = textwrap.dedent("""
+        import os, sys, time
+        import ray
+        ray.init(address="auto", log_to_driver=False)
+        try:
+        {body}
+        finally:
+            ray.shutdown()
+        sys.stdout.flush()
+        os._exit(0)  # past Ray's exit-time crash above
+    """).format(body=textwrap.indent(textwrap.dedent(script), "    "))
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def chat(client, picture, text: str, **kwargs):
@@ -170,8 +193,6 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
     replica is lost), so the ingress also posts a request it gives up on to the hub, and
     the replica serving it aborts it. Posted here by hand for a stream nobody cancelled,
     as if Ray had lost the cancel: the replica stops it and frees its blocks."""
-    import ray
-
     from vlmserve.entrypoints.openai.replicas import APP, HUB
 
     client = server.client()
@@ -183,11 +204,7 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
     chunks = iter(stream)
     request_id = next(chunks).id  # the engine's request id
     wait_for(lambda: running() == 1, what="a report of the request running")
-    ray.init(address="auto", log_to_driver=False)
-    try:
-        ray.get(ray.get_actor(HUB, namespace=APP).give_up.remote(request_id))
-    finally:
-        ray.shutdown()
+    ray_driver(f"ray.get(ray.get_actor({HUB!r}, namespace={APP!r}).give_up.remote({request_id!r}))")
     with pytest.raises(openai.APIError, match="ended the request without an answer"):
         for _ in chunks:
             pass
@@ -199,8 +216,6 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
 def test_a_replica_killed_mid_stream(server):
     """Its stream ends with an OpenAI-format error (no hang), the next request goes to
     the survivor, and Ray Serve starts a new replica."""
-    import ray
-
     client = server.client()
     running = lambda: replica_series(server, "num_requests_running")  # noqa: E731
     wait_for(lambda: len(running()) == 2 and not any(running().values()), what="earlier requests to end")
@@ -211,23 +226,29 @@ def test_a_replica_killed_mid_stream(server):
     next(chunks)
     wait_for(lambda: any(running().values()), what="a report")  # the only request: ours
     busy = next(r for r, v in running().items() if v > 0)
-    ray.init(address="auto", log_to_driver=False)
-    try:
-        names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + busy)]
+    ray_driver(f"""
+        names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + {busy!r})]
         ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]))
-        started = time.time()
-        with pytest.raises(openai.APIError, match="the replica serving this request failed"):
-            for _ in chunks:
-                pass
-        assert time.time() - started < 30
-        assert client.chat.completions.create(model="tiny", max_tokens=3,
-                                              messages=[{"role": "user", "content": "hello"}]).usage.completion_tokens
-        wait_for(lambda: len([a for a in ray.util.list_named_actors(all_namespaces=True)
-                              if "SERVE_REPLICA" in a["name"]]) == 2 and
-                 len(replica_series(server, "num_requests_running")) == 2 and busy not in
-                 replica_series(server, "num_requests_running"), timeout=90, what="a new replica")
-    finally:
-        ray.shutdown()
+    """)
+    started = time.time()
+    with pytest.raises(openai.APIError, match="the replica serving this request failed"):
+        for _ in chunks:
+            pass
+    assert time.time() - started < 30
+    assert client.chat.completions.create(model="tiny", max_tokens=3,
+                                          messages=[{"role": "user", "content": "hello"}]).usage.completion_tokens
+    replicas = ray_driver("""
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            count = sum("SERVE_REPLICA" in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+            if count == 2:
+                break
+            time.sleep(0.5)
+        print(count)
+    """)
+    assert replicas.split() == ["2"], "Ray Serve did not start a new replica"
+    wait_for(lambda: len(replica_series(server, "num_requests_running")) == 2 and busy not in
+             replica_series(server, "num_requests_running"), timeout=90, what="a new replica's report")
 
 
 def test_sigterm_drains_then_the_cluster_is_gone(server):
