@@ -11,8 +11,12 @@
 // Weight layout [N / 64, K / 2, 64, 2]: 64 output columns at a time, the input channels
 // in pairs, each pair of 64 columns one 256-byte run; a thread's share of the weight is
 // one contiguous stream. Rows are taken kRowTile at a time with their 64 columns' sums in
-// registers (24 accumulators), over chunks of kChunkPairs channel pairs (128 KB of weight,
-// which stays in L2 while each row tile reuses it).
+// registers (24 accumulators), over chunks of kChunkPairs channel pairs (32 KB of weight,
+// which stays in L1/L2 while each row tile reuses it). Every row tile over a chunk asks for
+// its share of the stream ahead, so the memory is read evenly while the tiles multiply:
+// when only the first tile asked (for 128 KB chunks), the reads came in bursts the memory
+// could not serve and sat idle between them (3B widths, 8 layers and the head, AMD EPYC
+// Zen 4: 16 rows 1.16x, 32 rows 1.30x the first-tile scheme; same sums).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,26 +36,28 @@
 namespace {
 
 constexpr int64_t kCols = 64;          // output columns per weight block (4 vectors of 16)
-constexpr int64_t kChunkPairs = 512;   // channel pairs per chunk: 512 x 256 B = 128 KB
+constexpr int64_t kChunkPairs = 128;   // channel pairs per chunk: 128 x 256 B = 32 KB
 constexpr int kRowTile = 6;            // rows per register tile (6 x 4 accumulators)
 constexpr int64_t kRowBlock = 128;     // rows per pass over the weight (a prompt's rows, 128 at a time)
-constexpr int64_t kAheadBytes = 64 << 10;  // how far ahead the stream is asked for
+constexpr int64_t kAheadBytes = 128 << 10;  // how far ahead the stream is asked for
 
 #if defined(__AVX512BF16__)
 
 // acc[r][c] (+)= sum over pairs p of x[r][2p:2p+2] . w[p][16c:16c+16][2] for R rows.
 template <int R>
 inline void row_tile(const uint32_t* x_pairs, int64_t x_stride, const uint16_t* w, int64_t pairs, float* c_rows,
-                     bool first, const char* ahead, const char* ahead_end) {
+                     bool first, const char* ahead, const char* ahead_stop, const char* stream_end) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c_rows + r * kCols + 16 * c);
+  // the lines [ahead, ahead_stop) of the stream asked for into L2, spread evenly over the pairs
+  ahead_stop = std::min(ahead_stop, stream_end);
+  const int64_t span = ahead < ahead_stop ? ahead_stop - ahead : 0;
+  const char* const ahead_begin = ahead;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* wp = w + p * kCols * 2;
-    if (ahead != nullptr && ahead < ahead_end) {  // four lines of the stream ahead per pair, into L2
-      for (int l = 0; l < 4; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-      ahead += 256;
-    }
+    for (const char* until = ahead_begin + span * (p + 1) / pairs; ahead < until; ahead += 64)
+      _mm_prefetch(ahead, _MM_HINT_T1);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
     for (int r = 0; r < R; ++r) {
@@ -126,13 +132,15 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
           for (int64_t p0 = 0; p0 < half; p0 += kChunkPairs) {
             const int64_t pairs = std::min(kChunkPairs, half - p0);
             const uint16_t* wc = wb + p0 * kCols * 2;
+            // the chunk's size of the stream kAheadBytes on, a share to each row tile
+            const char* ahead = reinterpret_cast<const char*>(wc) + kAheadBytes;
+            const int64_t ahead_len = pairs * kCols * 2 * static_cast<int64_t>(sizeof(uint16_t));
             for (int64_t i = 0; i < tiles; ++i) {
               const int64_t r0 = block_rows * i / tiles, r1 = block_rows * (i + 1) / tiles;
-              // the first row tile over a chunk asks for the stream ahead
-              const char* ahead = i == 0 ? reinterpret_cast<const char*>(wc) + kAheadBytes : nullptr;
               vlmserve::with_constant<kRowTile>(static_cast<int>(r1 - r0), [&](auto r) {
                 row_tile<decltype(r)::value>(xp + (row0 + r0) * half + p0, half, wc, pairs, &c_rows[r0 * kCols],
-                                             p0 == 0, ahead, my_end);
+                                             p0 == 0, ahead + ahead_len * i / tiles, ahead + ahead_len * (i + 1) / tiles,
+                                             my_end);
               });
             }
           }
