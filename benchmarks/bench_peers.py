@@ -346,7 +346,8 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
         dtype = args.vllm_dtype or args.dtype
         for mode in args.vllm_modes:
             flags = ["--eager"] if mode == "eager" else []
-            name = f"vLLM-CPU ({mode}){suffix}" + (" fp32" if dtype != args.dtype and dtype == "float32" else "")
+            name = f"vLLM-CPU ({mode}){suffix}" + ({"float32": " fp32", "bfloat16": " bf16"}[dtype]
+                                                    if dtype != args.dtype else "")
             engines.append(Engine(name, "vllm", [str(python), str(WORKERS / "vllm_worker.py"), *common, *flags,
                                                  "--dtype", dtype, "--memory-share", str(args.vllm_memory_share)],
                                   vllm_environment, quantization=checkpoint_bits, dtype=dtype))
