@@ -162,10 +162,11 @@ def main() -> None:
     print(f"\n{args.pictures} pictures of 224-448 px, one per prompt with a short question, last-token pooling; "
           f"{Path(model).name}; medians of {args.repeats}")
     # a picture's matmul FLOPs (tower and language model over its prompt; the served rounds'
-    # pictures are drawn the same way) against the machine's bf16 matmul peak
+    # pictures are drawn the same way) against the machine's matmul peak
     flops_per_picture = workload_flops(checkpoint_costs(model), spec)[0] / len(spec)
-    peak = limits["bf16_tflops"] * 1e12
-    print(f"machine: bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s; {flops_per_picture / 1e9:.0f} GFLOP per picture")
+    peak = limits["matmul_tflops"] * 1e12
+    print(f"machine: {limits['matmul_dtype']} matmul {limits['matmul_tflops']:.2f} TFLOP/s; "
+          f"{flops_per_picture / 1e9:.0f} GFLOP per picture")
 
     def cell(rate: float | None) -> str:
         return f"{rate:.2f} pictures/s ({rate * flops_per_picture / peak:.0%} of peak)" if rate else "-"

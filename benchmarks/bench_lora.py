@@ -98,11 +98,11 @@ def main() -> None:
     tokens = sum(r["max_tokens"] for r in spec)
     print(f"\n{args.requests} chats ({tokens} answer tokens, greedy), {args.adapters} adapters of rank {args.rank} "
           f"on q,k,v,o,gate,up,down; {Path(model).name}; medians of {args.repeats}")
-    # the share of the machine's bf16 matmul peak: the workload's FLOPs (the adapters' own
+    # the share of the machine's matmul peak: the workload's FLOPs (the adapters' own
     # are under 2% of them at rank 16) over the median run time
     _, flops = workload_flops(checkpoint_costs(model), spec)
-    peak = limits["bf16_tflops"] * 1e12
-    print(f"machine: bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s, read {limits['read_gbs']:.1f} GB/s; "
+    peak = limits["matmul_tflops"] * 1e12
+    print(f"machine: {limits['matmul_dtype']} matmul {limits['matmul_tflops']:.2f} TFLOP/s, read {limits['read_gbs']:.1f} GB/s; "
           f"workload {flops / 1e12:.1f} TFLOP")
     print(f"| engine | {' | '.join(modes)} | mixed / base |")
     print("| --- | --- | --- | --- |")

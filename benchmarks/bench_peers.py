@@ -14,7 +14,7 @@ Two kinds of run:
   cuts their depth) on the workloads people run there (`common.scale_workload`): a batch
   of chats about pictures of 336-1024 px, one user (one 1-megapixel picture, then 256
   tokens), long prompts (~8k tokens of pictures). These runs also measure the machine's
-  limits (memory bandwidth, bf16 matmul peak) and print each engine's share of them:
+  limits (memory bandwidth, matmul peak) and print each engine's share of them:
   decode against the bandwidth roofline (the bytes of weights a step reads over the
   bandwidth measured again just before that run), prefill and the batch against the FLOP
   peak.
@@ -536,7 +536,7 @@ def main() -> None:
     served = published_checkpoint(model, args.checkpoint_format) if args.checkpoint_format else model
     limits = None
     if args.scale:  # measured before any engine starts: nothing else runs
-        log("measuring the machine's memory bandwidth and bf16 matmul peak ...")
+        log("measuring the machine's memory bandwidth and matmul peak ...")
         limits = machine_limits(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
@@ -624,17 +624,17 @@ def report_limits(model: str, spec: list[dict], engines: list[Engine], limits: d
                   sequential: bool) -> None:
     """Each engine's share of the machine's limits: decode against the bandwidth roofline
     (weights read per step over the read bandwidth), prefill and whole runs against the
-    bf16 matmul peak (FLOPs counted as if nothing were cached)."""
+    matmul peak (FLOPs counted as if nothing were cached)."""
     costs = checkpoint_costs(model)
     prompt = sum(r["prompt_tokens"] for r in spec)
     output = sum(r["max_tokens"] for r in spec)
     patches = sum(r["patches"] for r in spec)
     prefill_flops, total_flops = workload_flops(costs, spec)
     roofline = limits["read_gbs"] * 1e9 / costs["decode_bytes"]
-    peak = limits["bf16_tflops"] * 1e12
+    peak = limits["matmul_tflops"] * 1e12
     before_runs = [r["read_gbs"] for e in engines for r in e.runs if r.get("read_gbs")]
     print(f"machine: read {limits['read_gbs']:.1f} GB/s, copy {limits['copy_gbs']:.1f} GB/s, "
-          f"bf16 matmul {limits['bf16_tflops']:.2f} TFLOP/s"
+          f"{limits['matmul_dtype']} matmul {limits['matmul_tflops']:.2f} TFLOP/s"
           + (f"; read {min(before_runs):.1f}-{max(before_runs):.1f} GB/s just before the runs (each run's "
              f"decode is held to its own)" if before_runs else ""))
     print(f"checkpoint: {costs['decode_bytes'] / 1e9:.2f} GB read per decode step -> one stream's roofline "

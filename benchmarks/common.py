@@ -104,10 +104,11 @@ def read_bandwidth(threads: int) -> float:
 
 def machine_limits(threads: int) -> dict[str, float]:
     """What this machine can do with `threads` threads, measured now: memory bandwidth
-    (GB/s) reading 1 GiB (a sum) and copying it, and the bf16 matmul peak (TFLOP/s,
-    4096^3). Decode is held to the first, prefill to the last. On a CPU without bf16
-    arithmetic (AVX2; oneDNN has no bf16 matmul there, torch's runs for minutes at this
-    size) the peak is fp32's, which bf16 layers run at there."""
+    (GB/s) reading 1 GiB (a sum) and copying it, and the matmul peak (TFLOP/s, 4096^3):
+    bf16's where the CPU has bf16 arithmetic, else fp32's, which bf16 layers run at there
+    (on AVX2 oneDNN has no bf16 matmul, torch's runs for minutes at this size; on AVX-512F
+    without AVX512-BF16 oneDNN's emulated one runs at a quarter of fp32's). Decode is held
+    to the first, prefill to the last."""
     import torch
 
     read = read_bandwidth(threads)
@@ -115,10 +116,10 @@ def machine_limits(threads: int) -> dict[str, float]:
     b = torch.empty_like(a)
     copy = 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a)) / 1e9
     del a, b
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16 = "avx512_bf16=yes" in cpu_flags()
     x = torch.randn(4096, 4096).to(torch.bfloat16 if bf16 else torch.float32)
     peak = 2 * 4096**3 / _best_seconds(lambda: torch.mm(x, x), 3) / 1e12
-    return {"read_gbs": read, "copy_gbs": copy, "bf16_tflops": peak}
+    return {"read_gbs": read, "copy_gbs": copy, "matmul_tflops": peak, "matmul_dtype": "bf16" if bf16 else "fp32"}
 
 
 def checkpoint_costs(model: str) -> dict[str, float]:

@@ -23,7 +23,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp",
                                     "amx_linear.cpp", "varlen_attention.cpp", "bf16_batch_linear.cpp",
                                     "decode_layers.cpp", "python_module.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC / "bf16_gemv_avx2.h",
+HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC / "bf16_gemv_widened.h",
            CSRC / "int_gemv_avx2.h", CSRC / "paged_attention_avx2.h", CSRC / "kernels.h"]
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls

@@ -15,10 +15,12 @@ AMX, vlmserve's AMX kernel (csrc/amx_linear.cpp) reads the plain weight once for
 rows, as a decode step should. Without AMX, a bf16 layer's packed copy is vlmserve's pair
 layout instead of oneDNN's (csrc/bf16_batch_linear.cpp: the weight streamed with reads
 ahead, so that reading and computing overlap).
-A CPU without AVX512-BF16 (AVX2: AMD Zen 2/3, Intel client cores) has no bf16 arithmetic,
-and oneDNN no bf16 matmul there (torch's runs at a tenth of fp32's speed): a bf16 layer
-keeps no packed copy, up to 64 rows run on the GEMV's AVX2 path (the weight widened to
-fp32 in registers), and more rows on fp32 matmuls over the weight widened a block at a time.
+A CPU without AVX512-BF16 has no bf16 arithmetic: on AVX2 (AMD Zen 2/3, Intel client
+cores) oneDNN has no bf16 matmul (torch's runs at a tenth of fp32's speed), on AVX-512F alone
+(Xeons from Skylake to Ice Lake, or a newer one whose hypervisor hides AVX512-BF16) oneDNN
+emulates one at a quarter of fp32's speed. There a bf16 layer keeps no packed copy, up to 64
+rows run on the widening GEMV (the weight widened to fp32 in registers), and more rows on
+fp32 matmuls over the weight widened a block at a time.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ AMX_MAX_ROWS = 32
 # and computes in turn (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC: 4-64 rows 1.05-1.5x;
 # prompts 128 rows at a time, about even at 0.9 TFLOP/s)
 PAIR_COLUMNS = 64
-# Up to this, the AVX2 GEMV (csrc/bf16_gemv_avx2.h) on CPUs without AVX512-BF16: 1.6-3.3x
-# torch's bf16 F.linear at 1-16 rows, 1.6-1.8x the widened fp32 matmul at 32-64, about even
-# at 128-256 (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC Zen 3)
+# Up to this, the widening GEMV (csrc/bf16_gemv_widened.h) on CPUs without AVX512-BF16
+# (Qwen2.5-VL-3B's matrices, 2 threads): on AVX2 (AMD EPYC Zen 3) 1.6-3.3x torch's bf16
+# F.linear at 1-16 rows, 1.6-1.8x the widened fp32 matmul at 32-64, about even at 128-256;
+# on AVX-512F alone (a Xeon without AVX512-BF16) 1.2-3.4x oneDNN's emulated bf16 matmul on its
+# packed copy at 1-64 rows, 1.3x the widened fp32 matmul at 64 rows (200 against 152 GFLOP/s),
+# 0.6x at 128
 WIDENING_GEMV_MAX_ROWS = 64
 WIDEN_BLOCK = 1 << 23  # weights widened to fp32 per matmul (32 MB: one buffer, reused)
 
@@ -96,8 +101,8 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return None
-    if weight.dtype == torch.bfloat16 and not has_bf16_matmul():
-        return None  # oneDNN has no bf16 matmul on this CPU
+    if weight.dtype == torch.bfloat16 and widens_bf16_layers():
+        return None  # bf16 layers run widened to fp32 on this CPU
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
@@ -111,7 +116,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and not has_bf16_matmul():
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return cpu_kernels().bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
@@ -171,6 +176,15 @@ def _pairs_fit(weight: torch.Tensor) -> bool:
 
 
 @functools.cache
+def widens_bf16_layers() -> bool:
+    """Whether bf16 layers run as fp32 products over weights widened as they are read, not
+    as bf16 matmuls: on a CPU without bf16 arithmetic where vlmserve's widening GEMV is
+    built, or where oneDNN has no bf16 matmul at all. An AVX-512F CPU without AVX512-BF16
+    has oneDNN's emulated one: 60 GFLOP/s against its fp32 matmul's 245 (a Xeon, 2 threads)."""
+    return cpu_extension.widens_bf16() or not has_bf16_matmul()
+
+
+@functools.cache
 def has_bf16_matmul() -> bool:
     """Whether oneDNN has bf16 matmuls on this CPU (AVX-512 and up): below, torch's bf16
     matmul runs at about a tenth of fp32's speed."""
@@ -184,7 +198,7 @@ def one_row_on_bf16_gemv(weight: torch.Tensor) -> bool:
     """Whether linear_cpu multiplies one bf16 row by this weight with bf16_gemv."""
     if weight.dtype != torch.bfloat16:
         return False
-    if not has_bf16_matmul():
+    if widens_bf16_layers():
         return _widening_gemv_fits(weight)
     return _gemv_fits(weight.new_empty((1, weight.shape[1])), weight)
 

@@ -269,7 +269,8 @@ def test_one_bf16_row_reads_the_same_in_streams_or_in_one(gemv_streams):
 def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
     """Up to 16 rows of a bf16 layer with no packed copy take the matrix-vector kernel
     (AVX512-BF16 CPUs; from 4 rows in tiles of rows, of unequal sizes at 13), up to 64 on
-    AVX2 CPUs (the weight widened in registers; tiles of up to 3 rows): fp32 sums of the
+    CPUs without it (the weight widened in registers; tiles of up to 3 rows on AVX2, 4 on
+    AVX-512F): fp32 sums of the
     exact bf16 products, rounded to bf16 once, as oneDNN's path does."""
     from vlmserve.kernels import cpu_extension, linear
 
@@ -295,14 +296,14 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_rows_past_the_avx2_gemv_run_as_fp32_matmuls_over_widened_blocks(monkeypatch, bias):
-    """On CPUs without AVX512-BF16, more rows than the AVX2 GEMV takes run as fp32 matmuls
+def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_blocks(monkeypatch, bias):
+    """On CPUs without AVX512-BF16, more rows than the widening GEMV takes run as fp32 matmuls
     over the bf16 weight widened a block of rows at a time (here three blocks, the last
     short), the bias added before the one rounding."""
     from vlmserve.kernels import linear
 
-    if linear.has_bf16_matmul():
-        pytest.skip("the widening path is for CPUs without bf16 matmuls (AVX2)")
+    if not linear.widens_bf16_layers():
+        pytest.skip("the widening path is for CPUs without bf16 arithmetic (AVX2, AVX-512F alone)")
     monkeypatch.setattr(linear, "WIDEN_BLOCK", 64 * 330)
     torch.manual_seed(0)
     weight = torch.randn(150, 330).to(torch.bfloat16)  # inputs no multiple of 32 (the vision MLP's 3420)
@@ -368,7 +369,7 @@ def test_packing_is_skipped_when_the_copy_would_not_fit():
 def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dtype):
     """The output head that shares the embedding table is packed like the layers (fp32
     decoding and bf16 batches run on the packed copy), and still reads the table's values."""
-    from vlmserve.kernels import kernel_table
+    from vlmserve.kernels import kernel_table, linear
     from vlmserve.testing.checkpoints import build_qwen2_5_vl
     from vlmserve.worker.model_loader import load_model
 
@@ -376,7 +377,7 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     model, _ = load_model(path, dtype, kernel_table("cpu"))
     table = model.model.language_model.embed_tokens.weight
     assert model.lm_head.weight is table
-    if dtype == "float32" or torch.ops.mkldnn._is_mkldnn_bf16_supported():  # else oneDNN has no bf16 matmul
+    if dtype == "float32" or not linear.widens_bf16_layers():  # else bf16 layers keep no packed copy
         assert model.lm_head.packed_weight is not None
     for rows in (1, 8):
         hidden = torch.randn(rows, table.shape[1]).to(table.dtype)

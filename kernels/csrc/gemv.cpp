@@ -14,8 +14,8 @@
 // (--quantization int4, AWQ, GPTQ): a quarter of the bytes, in tiles of 16 weight rows (one
 // a 32-bit lane), multiplied with x quantized to int8 per group by dpbusd (64 products an
 // instruction, 16 rows at once), each group's sums scaled into fp32 accumulators.
-// On CPUs with AVX2 and no AVX-512 (bf16_gemv_avx2.h, int_gemv_avx2.h) bf16_gemv and the
-// int8/int4 tiled kernels take the same arguments and layouts.
+// On CPUs without AVX512-BF16 (AVX2, or AVX-512F alone: bf16_gemv_widened.h; int_gemv_avx2.h)
+// bf16_gemv and the int8/int4 tiled kernels take the same arguments and layouts.
 // fp8_gemv does it for an FP8 (e4m3) checkpoint's weight with 128 x 128 block scales: one
 // byte a value, converted to fp32 in registers (no FP8 math on these CPUs).
 
@@ -31,9 +31,9 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
-#include "bf16_gemv_avx2.h"
+#include "bf16_gemv_widened.h"
 #include "int_gemv_avx2.h"
-#define VLMSERVE_AVX2_GEMV
+#define VLMSERVE_AVX2_GEMV  // no AVX512-BF16: bf16 widened to fp32 (AVX2 or AVX-512F), int8/int4 on AVX2
 #endif
 #if (defined(__AVX512BF16__) && defined(__AVX512VNNI__)) || defined(VLMSERVE_AVX2_GEMV)
 #define VLMSERVE_INT_GEMV  // the int8 and int4 tiled-layout kernels: AVX512-VNNI or AVX2
@@ -197,7 +197,7 @@ void tiled_band(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int6
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(supported(x, weight), "bf16_gemv: bf16 x, a contiguous bf16 weight [N, K] with "
-              "K a multiple of 32, on a CPU with AVX512-BF16 (16 rows at most) or AVX2");
+              "K a multiple of 32, on a CPU with AVX512-BF16 (16 rows at most), AVX-512F or AVX2");
   const int64_t K = weight.size(1), N = weight.size(0);
   const int64_t M = x.numel() / K;
   const at::Tensor xc = x.contiguous();
@@ -218,9 +218,9 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
     }
   });
 #elif defined(VLMSERVE_AVX2_GEMV)
-  vlmserve::avx2::bf16_gemv(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
-                            reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), M, K, N,
-                            acc.data_ptr<float>());
+  vlmserve::widened::bf16_gemv(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+                               reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), M, K, N,
+                               acc.data_ptr<float>());
 #endif
   return with_bias_in_shape(acc, x, bias);
 }
