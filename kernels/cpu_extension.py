@@ -62,6 +62,12 @@ def has_bf16_dot() -> bool:
 
 
 @functools.cache
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the kernels built with -march=native use it)."""
+    return "avx512f" in _cpu_flags().split()
+
+
+@functools.cache
 def widens_bf16() -> bool:
     """Whether bf16 layers take the kernels' AVX2 path: a CPU with AVX2 and FMA but no
     AVX512-BF16, where bf16 weights widen to fp32 in registers (csrc/bf16_gemv_avx2.h)."""

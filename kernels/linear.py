@@ -117,6 +117,8 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
+        if packed is not None and rows > GEMV_OVER_PACKED_ROWS:  # AVX-512F: the pair layout, widened
+            return cpu_kernels().bf16_batch_linear(x, packed, bias)
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return cpu_kernels().bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
@@ -171,7 +173,7 @@ def _amx_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _pairs_fit(weight: torch.Tensor) -> bool:
     # with AMX, oneDNN's packed copy runs prompts on the tiles and the AMX kernel batches
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % PAIR_COLUMNS == 0
-            and weight.shape[1] % 2 == 0 and cpu_extension.has_bf16_dot() and cpu_extension.available()
+            and weight.shape[1] % 2 == 0 and cpu_extension.has_avx512() and cpu_extension.available()
             and not cpu_extension.has_amx())
 
 

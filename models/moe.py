@@ -1,8 +1,9 @@
 """Mixture-of-experts feed-forward layers (Qwen3-VL-MoE, Qwen3.5-MoE): a softmax router
 picks each token's top-k experts (their weights renormalised to sum to one, as the
 reference does), the experts run over the whole batch at once — tokens grouped by
-expert, one gate/up and one down matmul per active expert — and Qwen3.5-MoE adds a
-shared expert scaled by a sigmoid gate.
+expert, one gate/up and one down matmul per active expert (`ops.linear`: the device's
+matmuls for a few rows and for bf16 on CPUs without bf16 arithmetic) — and Qwen3.5-MoE adds
+a shared expert scaled by a sigmoid gate.
 
 The experts' weights are kept as transformers 5 keeps them: gate_up_proj
 [experts, 2 * intermediate, hidden] and down_proj [experts, hidden, intermediate].
@@ -53,8 +54,8 @@ class Experts(nn.Module):
         outs, start = [], 0
         for e, count in enumerate(counts):
             if count:
-                gate_up = F.linear(grouped[start : start + count], self.gate_up_proj[e])
-                outs.append(F.linear(self._act_and_mul(gate_up), self.down_proj[e]))
+                gate_up = ops.linear(grouped[start : start + count], self.gate_up_proj[e], None)
+                outs.append(ops.linear(self._act_and_mul(gate_up), self.down_proj[e], None))
             start += count
         out = torch.cat(outs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out)
@@ -82,7 +83,7 @@ class SparseMoE(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight)
+        logits = ops.linear(x, self.gate.weight, None)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)

@@ -295,6 +295,26 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
             torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.05, rtol=1e-2)
 
 
+@pytest.mark.skipif(not cpu_extension.available(), reason="vlmserve's CPU kernels are not built here")
+@pytest.mark.parametrize("rows", [1, 8])
+def test_bf16_gemv_rounds_its_sums_to_nearest_even_as_torch(rows):
+    """The kernel's fp32 sums go to bf16 as torch rounds them (to nearest, ties to even; a
+    NaN stays one), by AVX512-BF16's instruction or, without it, by integer arithmetic:
+    each x picks two weight columns, whose sum fp32 holds exactly, many of them ties."""
+    torch.manual_seed(rows)
+    weight = torch.randn(4 * 40, 64).to(torch.bfloat16)
+    weight[:, 1] = weight[:, 0] * 2**-8  # w0 + w1 lies halfway between two bf16 values
+    weight[7, 2] = float("nan")
+    x = torch.zeros(rows, 64, dtype=torch.bfloat16)
+    picks = [(0, 1), (0, 2), (3, 4), (5, 6)] * rows
+    for m in range(rows):
+        x[m, list(picks[m])] = 1
+    want = (x.float() @ weight.float().t()).to(torch.bfloat16)  # exact in fp32: two terms, zeros (0 x NaN: NaN)
+    got = cpu_kernels().bf16_gemv(x, weight, None)
+    assert got[:, 7].isnan().all() and not got[:, :7].isnan().any()
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_blocks(monkeypatch, bias):
     """On CPUs without AVX512-BF16, more rows than the widening GEMV takes run as fp32 matmuls
@@ -320,15 +340,16 @@ def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_block
 @pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
-    """A packed bf16 layer from 4 rows on, on CPUs with AVX512-BF16 and no AMX: the pair
-    layout's kernel, over several blocks of 64 columns (split between the threads), two
-    chunks of input channels, row tiles of unequal sizes and, past 128 rows, several passes
-    over the weight: fp32 sums of the exact bf16 products, rounded to bf16 once. A layer
-    whose output size is no multiple of 64 keeps oneDNN's copy."""
+    """A packed bf16 layer from 4 rows on, on CPUs with AVX-512 and no AMX: the pair
+    layout's kernel (its pairs widened to fp32 where there is no AVX512-BF16), over several
+    blocks of 64 columns (split between the threads), two chunks of input channels, row
+    tiles of unequal sizes and, past 128 rows, several passes over the weight: fp32 sums of
+    the exact bf16 products, rounded to bf16 once. A layer whose output size is no multiple
+    of 64 keeps oneDNN's copy, or none where bf16 layers run widened."""
     from vlmserve.kernels import cpu_extension, linear
 
     if not linear._pairs_fit(torch.empty(64, 2, dtype=torch.bfloat16)):
-        pytest.skip("the pair kernel needs AVX512-BF16 (and no AMX)")
+        pytest.skip("the pair kernel needs AVX-512 (and no AMX)")
     torch.manual_seed(rows)
     layer = Linear(1100, 3 * 64, bias=bias).to(torch.bfloat16)
     layer.pack()
@@ -343,7 +364,10 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
         torch.testing.assert_close(got.float(), (want + 1e-3).to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
     odd = Linear(64, 100).to(torch.bfloat16)
     odd.pack()
-    assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()
+    if linear.widens_bf16_layers():
+        assert odd.packed_weight is None and cpu_extension.available()
+    else:
+        assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()
 
 
 def test_no_packed_layout_where_there_is_none():

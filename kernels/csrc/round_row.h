@@ -7,11 +7,23 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace vlmserve {
+
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+// 16 fp32 values to bf16, rounded to nearest even as c10's (a NaN to its quiet NaN): the
+// integer form of what AVX512-BF16's vcvtneps2bf16 does
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
 
 // One row of N fp32 sums plus the bias, in the output's dtype: one plain loop, the bias read
 // in its own dtype (the layer's or fp32), rather than ATen's add and conversion (two ops
@@ -19,7 +31,7 @@ namespace vlmserve {
 template <typename out_t, typename bias_t>
 inline void round_row(const float* acc, const bias_t* bias, out_t* out, int64_t N) {
   int64_t n = 0;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
   if constexpr (std::is_same_v<out_t, at::BFloat16>) {  // 16 at a time, rounded to nearest even as c10's
     for (; n + 16 <= N; n += 16) {
       __m512 v = _mm512_loadu_ps(acc + n);
@@ -31,7 +43,11 @@ inline void round_row(const float* acc, const bias_t* bias, out_t* out, int64_t 
           v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
         }
       }
+#if defined(__AVX512BF16__)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + n), round_to_bf16(v));
+#endif
     }
   }
 #endif
