@@ -37,7 +37,7 @@ def tokens_per_second(llm, seed: int, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=CACHE / "scale-qwen2_5_vl_3b-full-v1")
+    ap.add_argument("--model", type=Path, default=CACHE / "scale-qwen2_5_vl_3b-full-v2")
     ap.add_argument("--quantizations", default="int8,int4")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=33, help="tokens each engine decodes per round")

@@ -82,7 +82,7 @@ def build(family: str, layers: int | None, out: Path | None = None, seed: int = 
     from vlmserve.testing.checkpoints import CHAT_TEMPLATE, new_checkpoint, save_qwen3_files
 
     where = "" if device == "cpu" else f"-{torch.device(device).type}"
-    out = out or CACHE / f"scale-{family}-{'full' if layers is None else f'{layers}l'}{where}-v1"
+    out = out or CACHE / f"scale-{family}-{'full' if layers is None else f'{layers}l'}{where}-v2"
     if (out / "model.safetensors.index.json").exists():
         return out
     out, tokenizer, ids = new_checkpoint(out, None, TOKENIZER_VOCAB)
@@ -93,6 +93,7 @@ def build(family: str, layers: int | None, out: Path | None = None, seed: int = 
     else:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
     config.architectures = [model_cls.__name__]
+    config.dtype = torch.bfloat16  # as published: `--dtype auto` runs it in bf16 where bf16 pays
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in model_cls(config).state_dict().items()}
     tied = config.tie_word_embeddings

@@ -18,9 +18,11 @@ ahead, so that reading and computing overlap).
 A CPU without AVX512-BF16 has no bf16 arithmetic: on AVX2 (AMD Zen 2/3, Intel client
 cores) oneDNN has no bf16 matmul (torch's runs at a tenth of fp32's speed), on AVX-512F alone
 (Xeons from Skylake to Ice Lake, or a newer one whose hypervisor hides AVX512-BF16) oneDNN
-emulates one at a quarter of fp32's speed. There a bf16 layer keeps no packed copy, up to 64
-rows run on the widening GEMV (the weight widened to fp32 in registers), and more rows on
-fp32 matmuls over the weight widened a block at a time.
+emulates one at a quarter of fp32's speed. There one to three rows run on the widening GEMV
+(the weight widened to fp32 in registers); on AVX-512F a layer keeps the pair-layout copy,
+which the same kernel as above multiplies widened from 4 to 512 rows; elsewhere (AVX2, or
+a layer whose output is no multiple of 64) no packed copy, the widening GEMV up to 64 rows;
+and more rows run as fp32 matmuls over the weight widened a block at a time.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ PAIR_COLUMNS = 64
 # packed copy at 1-64 rows, 1.3x the widened fp32 matmul at 64 rows (200 against 152 GFLOP/s),
 # 0.6x at 128
 WIDENING_GEMV_MAX_ROWS = 64
+# Up to this, a bf16 layer's pair-layout copy on an AVX-512F CPU without AVX512-BF16, its
+# pairs widened in registers (csrc/bf16_batch_linear.cpp): 1.3-1.6x the widening GEMV at
+# 8-64 rows, 1.1-1.2x the widened fp32 matmul at 256; from 1,024 rows that matmul is
+# 1.04-1.08x faster (Qwen2.5-VL-3B's text and vision matrices, a Xeon, 2 threads)
+PAIRS_WIDENED_MAX_ROWS = 512
 WIDEN_BLOCK = 1 << 23  # weights widened to fp32 per matmul (32 MB: one buffer, reused)
 
 
@@ -92,8 +99,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 @register("pack_linear_weight", "cpu")
 def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """bf16 on a CPU with AVX512-BF16 and no AMX: the pair layout of vlmserve's kernel
-    (`bf16_batch_linear.cpp`), on 2 MB pages; otherwise oneDNN's blocked layout."""
+    """bf16 on a CPU with AVX-512 and no AMX: the pair layout of vlmserve's kernel
+    (`bf16_batch_linear.cpp`), on 2 MB pages; otherwise oneDNN's blocked layout, except for
+    bf16 where bf16 layers run widened (none)."""
     if _pairs_fit(weight):
         n, k = weight.shape
         packed = empty_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
@@ -117,7 +125,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
-        if packed is not None and rows > GEMV_OVER_PACKED_ROWS:  # AVX-512F: the pair layout, widened
+        if packed is not None and GEMV_OVER_PACKED_ROWS < rows <= PAIRS_WIDENED_MAX_ROWS:  # AVX-512F
             return cpu_kernels().bf16_batch_linear(x, packed, bias)
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return cpu_kernels().bf16_gemv(x, weight, bias)

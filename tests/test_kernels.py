@@ -337,7 +337,7 @@ def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_block
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # at most a last bit apart (summation order)
 
 
-@pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300])
+@pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
     """A packed bf16 layer from 4 rows on, on CPUs with AVX-512 and no AMX: the pair
