@@ -250,11 +250,12 @@ def test_packed_linear_equals_plain_linear(rows, bias):
     torch.testing.assert_close(plain, F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.skipif(not (cpu_extension.available() and cpu_extension.has_bf16_dot()),
-                    reason="vlmserve's AVX512-BF16 GEMV is not built here")
+@pytest.mark.skipif(not (cpu_extension.available() and (cpu_extension.has_bf16_dot() or cpu_extension.widens_bf16())),
+                    reason="vlmserve's bf16 GEMV is not built here")
 def test_one_bf16_row_reads_the_same_in_streams_or_in_one(gemv_streams):
     """One row of x over 8 weight rows a step, each prefetched (streams), or over 4 (one
-    stream, the hardware prefetcher ahead): each output is the same sum in the same order."""
+    stream, the hardware prefetcher ahead): each output is the same sum in the same order
+    (AVX512-BF16's dot products, or the weight widened to fp32)."""
     torch.manual_seed(1)
     weight = torch.randn(8 * 37 + 5, 320).to(torch.bfloat16)  # whole steps of 8 and of 4, a tail
     x = torch.randn(1, 320).to(torch.bfloat16)

@@ -220,7 +220,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::o
 #elif defined(VLMSERVE_AVX2_GEMV)
   vlmserve::widened::bf16_gemv(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
                                reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), M, K, N,
-                               acc.data_ptr<float>());
+                               acc.data_ptr<float>(), gemv_streams());
 #endif
   return with_bias_in_shape(acc, x, bias);
 }
