@@ -18,15 +18,16 @@ import torch
 from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.attention import AttentionMetadata
 from vlmserve.kernels.cpu_extension import cpu_kernels
-from vlmserve.kernels.linear import one_row_on_bf16_gemv
+from vlmserve.kernels.linear import one_row_on_bf16_gemv, one_row_on_pairs
 from vlmserve.kernels.quantized_linear import QuantizedWeight
 from vlmserve.kernels.registry import register
 
 
 @dataclass
 class Projection:
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | QuantizedWeight  # empty where the packed copy took its place
     bias: torch.Tensor | None
+    packed: torch.Tensor | None = None  # the device's packed copy (Linear.pack)
 
 
 @dataclass
@@ -105,6 +106,8 @@ def _one_row_kernel(p: Projection) -> Any | None:
         if w.layout != "gemv" or w.method not in ("int8", "int4") or w.dtype != torch.bfloat16:
             return None
         return kernels.DecodeLinear(w.method, w.data, w.scales, w.zeros, p.bias)
+    if one_row_on_pairs(w, p.packed):
+        return kernels.DecodeLinear("pairs", p.packed, bias=p.bias)
     return kernels.DecodeLinear("bf16", w, bias=p.bias) if one_row_on_bf16_gemv(w) else None
 
 

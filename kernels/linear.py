@@ -18,11 +18,12 @@ ahead, so that reading and computing overlap).
 A CPU without AVX512-BF16 has no bf16 arithmetic: on AVX2 (AMD Zen 2/3, Intel client
 cores) oneDNN has no bf16 matmul (torch's runs at a tenth of fp32's speed), on AVX-512F alone
 (Xeons from Skylake to Ice Lake, or a newer one whose hypervisor hides AVX512-BF16) oneDNN
-emulates one at a quarter of fp32's speed. There one to three rows run on the widening GEMV
-(the weight widened to fp32 in registers); on AVX-512F a layer keeps the pair-layout copy,
-which the same kernel as above multiplies widened from 4 to 512 rows; elsewhere (AVX2, or
-a layer whose output is no multiple of 64) no packed copy, the widening GEMV up to 64 rows;
-and more rows run as fp32 matmuls over the weight widened a block at a time.
+emulates one at a quarter of fp32's speed. On AVX-512F a layer's pair-layout copy takes the
+place of its plain weight, and the same kernel as above multiplies it widened (the pairs
+widened to fp32 in registers) for every row count. On AVX2, and for a layer whose output is
+no multiple of 64, there is no packed copy: up to 64 rows run on the widening GEMV (the
+plain weight widened in registers), more as fp32 matmuls over the weight widened a block
+at a time.
 """
 
 from __future__ import annotations
@@ -66,11 +67,6 @@ PAIR_COLUMNS = 64
 # packed copy at 1-64 rows, 1.3x the widened fp32 matmul at 64 rows (200 against 152 GFLOP/s),
 # 0.6x at 128
 WIDENING_GEMV_MAX_ROWS = 64
-# Up to this, a bf16 layer's pair-layout copy on an AVX-512F CPU without AVX512-BF16, its
-# pairs widened in registers (csrc/bf16_batch_linear.cpp): 1.3-1.6x the widening GEMV at
-# 8-64 rows, 1.1-1.2x the widened fp32 matmul at 256; from 1,024 rows that matmul is
-# 1.04-1.08x faster (Qwen2.5-VL-3B's text and vision matrices, a Xeon, 2 threads)
-PAIRS_WIDENED_MAX_ROWS = 512
 WIDEN_BLOCK = 1 << 23  # weights widened to fp32 per matmul (32 MB: one buffer, reused)
 
 
@@ -114,6 +110,24 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+@register("packed_copy_replaces_weight")
+def packed_copy_replaces_weight(weight: torch.Tensor) -> bool:
+    """Whether the layer's packed copy (pack_linear_weight) serves every row count, so that
+    the plain weight can go once it is made: nowhere off the CPU."""
+    return False
+
+
+@register("packed_copy_replaces_weight", "cpu")
+def packed_copy_replaces_weight_cpu(weight: torch.Tensor) -> bool:
+    """On an AVX-512F CPU without AVX512-BF16 a bf16 layer's pair-layout copy does, its
+    pairs widened in registers (csrc/bf16_batch_linear.cpp), against the plain weight's
+    kernels (Qwen2.5-VL-3B's matrices, a Xeon, 2 threads): one row at 0.95x the widening
+    GEMV's speed, two or three rows 1.1x, 8-64 rows 1.3-1.6x; prompts 1.1-1.2x the widened
+    fp32 matmul at 256 rows, 0.92-0.96x from 1,024. So one copy, not two, is kept. Elsewhere
+    the plain weight stays: the AVX512-BF16 GEMV reads it for one to three rows."""
+    return _pairs_fit(weight) and widens_bf16_layers()
+
+
 @register("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,7 +139,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
-        if packed is not None and GEMV_OVER_PACKED_ROWS < rows <= PAIRS_WIDENED_MAX_ROWS:  # AVX-512F
+        if packed is not None:  # AVX-512F: the pair-layout copy, in the plain weight's place
             return cpu_kernels().bf16_batch_linear(x, packed, bias)
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return cpu_kernels().bf16_gemv(x, weight, bias)
@@ -202,6 +216,13 @@ def has_bf16_matmul() -> bool:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         return False
+
+
+def one_row_on_pairs(weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether linear_cpu multiplies one bf16 row by this layer with bf16_batch_linear on
+    its pair-layout copy."""
+    return (packed is not None and packed.dim() == 4 and weight.dtype == torch.bfloat16 and widens_bf16_layers()
+            and cpu_extension.available())
 
 
 def one_row_on_bf16_gemv(weight: torch.Tensor) -> bool:

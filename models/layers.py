@@ -86,7 +86,10 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         if self.quantized is None:
+            replaces = ops.packed_copy_replaces_weight(self.weight)
             self.packed_weight = ops.pack_linear_weight(self.weight)
+            if replaces and self.packed_weight is not None:  # the copy serves every row count: one copy, not two
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def quantize(self, method: str) -> bool:
         """Replaces the weight by its quantized form (weight-only: activations keep their
@@ -131,11 +134,11 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
 
     def decode_projection(self) -> Projection | None:
-        """Its weight (quantized, if it is) and bias, for ops.decode_layers; None with LoRA
-        slots (their products are added here)."""
+        """Its weight (quantized, if it is), bias and packed copy, for ops.decode_layers; None
+        with LoRA slots (their products are added here)."""
         if self.lora is not None:
             return None
-        return Projection(self.weight if self.quantized is None else self.quantized, self.bias)
+        return Projection(self.weight if self.quantized is None else self.quantized, self.bias, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

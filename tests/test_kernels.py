@@ -353,12 +353,13 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
         pytest.skip("the pair kernel needs AVX-512 (and no AMX)")
     torch.manual_seed(rows)
     layer = Linear(1100, 3 * 64, bias=bias).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()  # the copy may take its place
     layer.pack()
     assert layer.packed_weight is not None and layer.packed_weight.shape == (3, 550, 64, 2)
     x = torch.randn(2, rows, 1100).to(torch.bfloat16)[:1]  # a view: not contiguous in memory
-    with torch.inference_mode():  # as in an engine (past 512 rows it may run on fp32 matmuls into a buffer)
+    with torch.inference_mode():  # as in an engine
         got = layer(x)
-    want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    want = F.linear(x.float(), weight.float(), None if layer.bias is None else layer.bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 3 * 64)
     torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), atol=0.02, rtol=8e-3)
     if bias:  # a bias in fp32 is added to the fp32 sums as it is
@@ -370,6 +371,30 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
         assert odd.packed_weight is None and cpu_extension.available()
     else:
         assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 600])
+def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
+    """On an AVX-512F CPU without AVX512-BF16 a packed bf16 layer keeps its pair-layout copy
+    alone (the plain weight goes), and one row, a batch and a prompt of over 512 rows all run
+    on it: fp32 sums of the exact bf16 products, rounded once. Elsewhere the plain weight
+    stays beside any packed copy."""
+    from vlmserve.kernels import linear
+
+    torch.manual_seed(rows)
+    layer = Linear(1100, 3 * 64, bias=True).to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    replaces = linear.packed_copy_replaces_weight_cpu(layer.weight)
+    layer.pack()
+    if not replaces:
+        assert torch.equal(layer.weight, weight)
+        pytest.skip("packed copies take the weight's place on AVX-512F CPUs without AVX512-BF16")
+    assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16 and layer.packed_weight.dim() == 4
+    x = torch.randn(rows, 1100).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+    want = F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=8e-3)
 
 
 def test_no_packed_layout_where_there_is_none():
@@ -402,8 +427,9 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
     model, _ = load_model(path, dtype, kernel_table("cpu"))
     table = model.model.language_model.embed_tokens.weight
-    assert model.lm_head.weight is table
-    if dtype == "float32" or not linear.widens_bf16_layers():  # else bf16 layers keep no packed copy
+    # the head's own copy takes the table's place in the head only (AVX-512F, no AVX512-BF16)
+    assert model.lm_head.weight is table or model.lm_head.weight.numel() == 0
+    if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
         assert model.lm_head.packed_weight is not None
     for rows in (1, 8):
         hidden = torch.randn(rows, table.shape[1]).to(table.dtype)

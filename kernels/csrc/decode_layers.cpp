@@ -29,6 +29,8 @@ Tensor project(const Tensor& x, const DecodeLinear& p) {
       return k::int8_tiled_gemv(x, p.weight, *p.scales, p.bias);
     case DecodeLinear::kInt4:
       return k::int4_gemv(x, p.weight, *p.scales, *p.zeros, p.bias);
+    case DecodeLinear::kPairs:
+      return k::bf16_batch_linear(x, p.weight, p.bias);
   }
   TORCH_CHECK(false, "decode_layers: unknown projection kind ", p.kind);
 }

@@ -67,7 +67,8 @@ extern Tensor (*const causal_conv1d)(const Tensor& x, const Tensor& weight, Tens
 
 // decode_layers.cpp: a projection's weight in the form its one-row kernel reads
 struct DecodeLinear {
-  enum Kind : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };  // bf16_gemv, int8_tiled_gemv, int4_gemv
+  // bf16_gemv, int8_tiled_gemv, int4_gemv, bf16_batch_linear (its weight a bf16_pair_pack copy)
+  enum Kind : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2, kPairs = 3 };
   int64_t kind;
   Tensor weight;
   OptionalTensor scales, zeros, bias;

@@ -46,6 +46,7 @@ void def_decode_layer_types(py::module_& m) {
              const auto code = kind == "bf16" ? k::DecodeLinear::kBf16
                                : kind == "int8" ? k::DecodeLinear::kInt8
                                : kind == "int4" ? k::DecodeLinear::kInt4
+                               : kind == "pairs" ? k::DecodeLinear::kPairs
                                                 : throw std::invalid_argument("DecodeLinear: unknown kind " + kind);
              return k::DecodeLinear{code, std::move(weight), std::move(scales), std::move(zeros), std::move(bias)};
            }),

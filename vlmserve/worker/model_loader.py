@@ -102,10 +102,12 @@ def resolve_dtype(name: str, hf_config, device: str = "cpu", quantized: bool = F
 
 def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
     """Gives every linear layer a prepacked copy of its weight (where its device has such
-    a layout: oneDNN's on CPU), unless the copies would take more than `memory_share` of
-    this machine's memory. Returns the bytes the copies take."""
+    a layout: oneDNN's on CPU), unless the copies kept beside the weights would take more
+    than `memory_share` of this machine's memory (a copy that takes its weight's place
+    counts nothing). Returns the bytes the copies beside the weights take."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    extra = sum(m.weight.numel() * m.weight.element_size() for m in linears
+                if not ops.packed_copy_replaces_weight(m.weight))
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if extra > memory_share * total:
         logger.info("linear weights not packed: a copy (%.1f GB) would take over %d%% of memory",
@@ -204,6 +206,7 @@ def load_model(
             model.untied_head()
         with use_kernels(kernels):
             packed = pack_linear_weights(model)
+        return_freed_memory()  # weights whose packed copies took their place
         logger.debug("packed linear weights: %.1f MB", packed / 1e6)
     logger.info(
         "loaded %s (%.1fM parameters, %s) in %.2fs",
