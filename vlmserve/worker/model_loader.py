@@ -81,9 +81,10 @@ def resolve_dtype(name: str, hf_config, device: str = "cpu", quantized: bool = F
     """'auto' runs the checkpoint's own dtype (a GPU runs it as saved), except that on the
     CPU half precision runs as bfloat16 only where bf16 layers are faster than fp32 ones
     (no CPU here has fast fp16 ones), else as float32. They are: where bf16 matmuls beat
-    fp32 ones on this CPU (timed); on AVX2 CPUs without bf16 arithmetic, where vlmserve's
-    kernels widen bf16 weights in registers (half fp32's bytes and memory: 1.5x its tok/s
-    on a batch at Qwen2.5-VL-3B widths, ~3x for one user, docs/benchmarks.md); and where the
+    fp32 ones on this CPU (timed); on CPUs without bf16 arithmetic (AVX2, AVX-512F alone),
+    where vlmserve's kernels widen bf16 weights in registers (half fp32's bytes and memory:
+    on AVX2 1.5x its tok/s on a batch at Qwen2.5-VL-3B widths, ~3x for one user,
+    docs/benchmarks.md); and where the
     language layers run `quantized` on vlmserve's int8/int4 kernels (which take bf16
     layers: in fp32 those layers would be dequantized for every step)."""
     if name != "auto":
