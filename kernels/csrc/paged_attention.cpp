@@ -75,11 +75,11 @@ struct Scratch {
     const int64_t n = rows + kReadAheadRows;
     q.assign(n * head_dim, 0.f);
     q_pairs.assign(n * head_dim / 2, 0u);
-    p_pairs.resize(kRows * block_size / 2);
+    p_pairs.resize(2 * kRows * block_size / 2);  // two blocks' (the bf16 path)
     o.assign(n * head_dim, 0.f);
     row_max.assign(n, kNoScore);
     row_sum.assign(n, 0.f);
-    scores.resize(n * block_size);
+    scores.resize(2 * n * block_size);  // two blocks' (the bf16 path)
     lo.resize(n);
     hi.resize(n);
   }
@@ -160,34 +160,13 @@ inline void block_scores(const float* q, const uint32_t* q_pairs, float scale, c
   }
 }
 
-// out[r] = out[r] * correction[r] + sum_t p[r][t] * value[t], for kRows rows and one block.
-// The bf16 path takes p rounded to bf16 (p_pairs: pairs of tokens).
+// out[r] = out[r] * correction[r] + sum_t p[r][t] * value[t], for kRows rows and one block
+// (the bf16 path: two_block_values).
 template <int BS, int D, typename scalar_t>
-inline void block_values(const float* p, const uint32_t* p_pairs, const float* correction, const scalar_t* values,
+inline void block_values(const float* p, const float* correction, const scalar_t* values,
                          float* out, int64_t bs_rt, int64_t d_rt) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   const int64_t dim = D > 0 ? D : d_rt;
-#if defined(__AVX512BF16__)
-  if constexpr (kBf16Dot<scalar_t, BS, D>) {
-    constexpr int kChunks = D % 64 == 0 ? 4 : D % 32 == 0 ? 2 : 1;  // up to 64 channels at a time
-    for (int d0 = 0; d0 < D; d0 += 16 * kChunks) {
-      __m512 acc[kRows][kChunks];
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < kChunks; ++c)
-          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * D + d0 + 16 * c), _mm512_set1_ps(correction[r]));
-      for (int tp = 0; tp < BS / 2; ++tp) {
-        for (int c = 0; c < kChunks; ++c) {
-          const __m512bh v = (__m512bh)_mm512_loadu_si512(values + (tp * D + d0 + 16 * c) * 2);
-          for (int r = 0; r < kRows; ++r)
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p_pairs[r * (BS / 2) + tp]), v);
-        }
-      }
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
-    }
-    return;
-  }
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (kAvx2<scalar_t, BS, D>) {
     vlmserve::avx2_attention::block_values<kRows, D>(p, correction, values, out);
@@ -246,12 +225,11 @@ inline __m512 exp16(__m512 x) {
 
 // Online softmax over one block for kRows rows: scores become p = exp(score - max) where
 // the key is visible (0 elsewhere), and each row's running max and sum move on; the
-// factor earlier outputs must be rescaled by goes to `correction`. The bf16 path rounds p
-// to bf16 (what the value products take, as `p_pairs`) and sums the rounded values.
-// Returns whether any row sees a key of the block.
+// factor earlier outputs must be rescaled by goes to `correction` (the bf16 path:
+// two_block_softmax). Returns whether any row sees a key of the block.
 template <typename scalar_t, int BS, int D>
 inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64_t key0, float* row_max,
-                          float* row_sum, float* correction, uint32_t* p_pairs, int64_t bs_rt) {
+                          float* row_sum, float* correction, int64_t bs_rt) {
   const int64_t bs = BS > 0 ? BS : bs_rt;
   bool any = false;
   for (int r = 0; r < kRows; ++r) {
@@ -259,17 +237,6 @@ inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64
     const int64_t t1 = std::min<int64_t>(hi[r] - key0, bs - 1);
     float* row = sc + r * bs;
     float mx = row_max[r], sum = 0.f;
-#if defined(__AVX512BF16__)
-    if constexpr (kBf16Dot<scalar_t, BS, D>) {
-      const __mmask16 visible = t0 > t1 ? 0 : static_cast<__mmask16>(((1u << (t1 + 1)) - 1) & ~((1u << t0) - 1));
-      const __m512 scores = _mm512_loadu_ps(row);
-      if (visible) mx = std::max(mx, _mm512_mask_reduce_max_ps(visible, scores));
-      const __m512 p = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(mx))));
-      const __m256bh rounded = _mm512_cvtneps_pbh(p);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_pairs + r * (BS / 2)), (__m256i)rounded);
-      sum = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
-    } else
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (kAvx2<scalar_t, BS, D>) {
       sum = vlmserve::avx2_attention::block_softmax_row(row, t0, t1, mx);
@@ -286,6 +253,90 @@ inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64
     any = any || t0 <= t1;
   }
   return any;
+}
+
+#if defined(__AVX512BF16__)
+// The bf16 path over two blocks at once (decodes and short chunks spend more on each
+// block's softmax bookkeeping than on its products): block_softmax for kRows rows whose
+// scores are sc_a (this block) and sc_b (the next; nullptr past the last), one maximum,
+// one correction and one sum for both; p rounded to bf16 as p_a / p_b pairs.
+template <int BS>
+inline bool two_block_softmax(const float* sc_a, const float* sc_b, const int32_t* lo, const int32_t* hi, int64_t key0,
+                              float* row_max, float* row_sum, float* correction, uint32_t* p_a, uint32_t* p_b) {
+  static_assert(BS == 16, "one vector a block");
+  auto visible_mask = [](int64_t t0, int64_t t1) -> __mmask16 {
+    t0 = std::max<int64_t>(t0, 0);
+    t1 = std::min<int64_t>(t1, BS - 1);
+    return t0 > t1 ? 0 : static_cast<__mmask16>(((1u << (t1 + 1)) - 1) & ~((1u << t0) - 1));
+  };
+  auto rounded_sum = [](__m256bh rounded) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16));
+  };
+  bool any = false;
+  for (int r = 0; r < kRows; ++r) {
+    const __mmask16 va = visible_mask(lo[r] - key0, hi[r] - key0);
+    const __mmask16 vb = sc_b ? visible_mask(lo[r] - key0 - BS, hi[r] - key0 - BS) : 0;
+    const __m512 a = _mm512_loadu_ps(sc_a + r * BS);
+    const __m512 b = sc_b ? _mm512_loadu_ps(sc_b + r * BS) : _mm512_setzero_ps();
+    float mx = row_max[r];
+    if (va | vb) mx = std::max(mx, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), va, a),
+                                                                        _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), vb, b))));
+    const __m512 m = _mm512_set1_ps(mx);
+    const __m256bh ra = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(va, exp16(_mm512_sub_ps(a, m))));
+    const __m256bh rb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(vb, exp16(_mm512_sub_ps(b, m))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_a + r * (BS / 2)), (__m256i)ra);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_b + r * (BS / 2)), (__m256i)rb);
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(rounded_sum(ra), rounded_sum(rb)));
+    correction[r] = vlmserve::exp_approx(row_max[r] - mx);  // 0 before the first visible key
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+    row_max[r] = mx;
+    any = any || (va | vb);
+  }
+  return any;
+}
+
+// out[r] = out[r] * correction[r] + p_a[r] . values_a + p_b[r] . values_b (values_b
+// nullptr past the last block): block_values over two blocks, out read and written once.
+template <int BS, int D, typename scalar_t>
+inline void two_block_values(const uint32_t* p_a, const uint32_t* p_b, const float* correction, const scalar_t* values_a,
+                             const scalar_t* values_b, float* out) {
+  constexpr int kChunks = D % 64 == 0 ? 4 : D % 32 == 0 ? 2 : 1;  // up to 64 channels at a time
+  for (int d0 = 0; d0 < D; d0 += 16 * kChunks) {
+    __m512 acc[kRows][kChunks];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kChunks; ++c)
+        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * D + d0 + 16 * c), _mm512_set1_ps(correction[r]));
+    for (int half = 0; half < (values_b ? 2 : 1); ++half) {
+      const scalar_t* values = half ? values_b : values_a;
+      const uint32_t* p = half ? p_b : p_a;
+      for (int tp = 0; tp < BS / 2; ++tp) {
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512bh v = (__m512bh)_mm512_loadu_si512(values + (tp * D + d0 + 16 * c) * 2);
+          for (int r = 0; r < kRows; ++r)
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(p[r * (BS / 2) + tp]), v);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + r * D + d0 + 16 * c, acc[r][c]);
+  }
+}
+#endif
+
+// Asks for the keys and values of one head's blocks [first, last] of a sequence (each a
+// random place in memory) to be brought into cache.
+template <typename scalar_t>
+inline void ask_for_blocks(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_table, int64_t first,
+                           int64_t last, int64_t kv_heads, int64_t kv_head, int64_t block_elems) {
+  for (int64_t b = first; b <= last; ++b) {
+    const int64_t start = (block_table[b] * kv_heads + kv_head) * block_elems;
+    const char* keys = reinterpret_cast<const char*>(k_cache + start);
+    const char* values = reinterpret_cast<const char*>(v_cache + start);
+    for (int64_t off = 0; off < block_elems * int64_t(sizeof(scalar_t)); off += 64) {
+      __builtin_prefetch(keys + off);
+      __builtin_prefetch(values + off);
+    }
+  }
 }
 
 template <typename scalar_t, int BS, int D>
@@ -310,8 +361,10 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     const int64_t token = q_start + w.q_begin + r / group;
     const int64_t head = w.kv_head * group + r % group;
     const scalar_t* src = q + (token * q_heads + head) * dim;
-    for (int64_t d = 0; d < dim; ++d) s.q[r * dim + d] = static_cast<float>(src[d]) * scale;
-    if constexpr (kBf16Dot<scalar_t, BS, D>) std::memcpy(s.q_pairs.data() + r * dim / 2, src, dim * sizeof(scalar_t));
+    if constexpr (kBf16Dot<scalar_t, BS, D>)  // the dot products take the bf16 pairs as they are
+      std::memcpy(s.q_pairs.data() + r * dim / 2, src, dim * sizeof(scalar_t));
+    else
+      for (int64_t d = 0; d < dim; ++d) s.q[r * dim + d] = static_cast<float>(src[d]) * scale;
     const int64_t pos = first_pos + w.q_begin + r / group;
     // a key range may end past the query (a picture's tokens that see each other), never past the sequence
     const int64_t end = key_ends ? std::min<int64_t>(std::max<int64_t>(key_ends[token], pos), seq_len - 1) : pos;
@@ -323,6 +376,32 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos + w.q_begin - window + 1) : 0;
   const int64_t block_elems = dim * bs;  // of one head, in either cache
   float correction[kRows];
+#if defined(__AVX512BF16__)
+  if constexpr (kBf16Dot<scalar_t, BS, D>) {
+    // two blocks a round; the next two are asked for while these are computed
+    const int64_t last_block = last_pos / bs;
+    for (int64_t b = lo / bs; b <= last_block; b += 2) {
+      const bool pair = b + 1 <= last_block;
+      const scalar_t* keys_a = k_cache + (block_table[b] * kv_heads + w.kv_head) * block_elems;
+      const scalar_t* values_a = v_cache + (block_table[b] * kv_heads + w.kv_head) * block_elems;
+      const scalar_t* keys_b = pair ? k_cache + (block_table[b + 1] * kv_heads + w.kv_head) * block_elems : nullptr;
+      const scalar_t* values_b = pair ? v_cache + (block_table[b + 1] * kv_heads + w.kv_head) * block_elems : nullptr;
+      ask_for_blocks(k_cache, v_cache, block_table, b + 2, std::min(b + 3, last_block), kv_heads, w.kv_head, block_elems);
+      uint32_t* p_a = s.p_pairs.data();
+      uint32_t* p_b = p_a + kRows * BS / 2;
+      for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+        float* sc_a = s.scores.data() + r0 * bs;
+        float* sc_b = s.scores.data() + (padded + r0) * bs;
+        block_scores<BS, D>(s.q.data() + r0 * dim, s.q_pairs.data() + r0 * dim / 2, scale, keys_a, sc_a, bs, dim);
+        if (pair) block_scores<BS, D>(s.q.data() + r0 * dim, s.q_pairs.data() + r0 * dim / 2, scale, keys_b, sc_b, bs, dim);
+        if (!two_block_softmax<BS>(sc_a, pair ? sc_b : nullptr, s.lo.data() + r0, s.hi.data() + r0, b * bs,
+                                   s.row_max.data() + r0, s.row_sum.data() + r0, correction, p_a, p_b))
+          continue;
+        two_block_values<BS, D>(p_a, p_b, correction, values_a, values_b, s.o.data() + r0 * dim);
+      }
+    }
+  } else
+#endif
   for (int64_t b = lo / bs; b <= last_pos / bs; ++b) {
     const int64_t block = block_table[b];
     const scalar_t* keys = k_cache + (block * kv_heads + w.kv_head) * block_elems;
@@ -332,24 +411,16 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     // sequences ran 1.13x faster than with the next block alone (1.3x with their blocks
     // scattered), 32 sequences of ~1,100 tokens at heads of 128 1.25x; asking once, two
     // blocks ahead, gained nothing (AMD EPYC, 2 threads)
-    for (int64_t nb = b + 1; nb <= std::min(b + kPrefetchBlocks, last_pos / bs); ++nb) {
-      const int64_t next = (block_table[nb] * kv_heads + w.kv_head) * block_elems;
-      const char* nk = reinterpret_cast<const char*>(k_cache + next);
-      const char* nv = reinterpret_cast<const char*>(v_cache + next);
-      for (int64_t off = 0; off < block_elems * int64_t(sizeof(scalar_t)); off += 64) {
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
+    ask_for_blocks(k_cache, v_cache, block_table, b + 1, std::min(b + kPrefetchBlocks, last_pos / bs), kv_heads,
+                   w.kv_head, block_elems);
     const int64_t key0 = b * bs;
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       float* sc = s.scores.data() + r0 * bs;
       block_scores<BS, D>(s.q.data() + r0 * dim, s.q_pairs.data() + r0 * dim / 2, scale, keys, sc, bs, dim);
       const bool any = block_softmax<scalar_t, BS, D>(sc, s.lo.data() + r0, s.hi.data() + r0, key0,
-                                                       s.row_max.data() + r0, s.row_sum.data() + r0, correction,
-                                                       s.p_pairs.data(), bs);
+                                                       s.row_max.data() + r0, s.row_sum.data() + r0, correction, bs);
       if (!any) continue;
-      block_values<BS, D>(sc, s.p_pairs.data(), correction, values, s.o.data() + r0 * dim, bs, dim);
+      block_values<BS, D>(sc, correction, values, s.o.data() + r0 * dim, bs, dim);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -357,6 +428,14 @@ void attend_item(const WorkItem& w, const scalar_t* q, scalar_t* out, const scal
     const int64_t head = w.kv_head * group + r % group;
     scalar_t* dst = out + (token * q_heads + head) * dim;
     const float inv = 1.f / s.row_sum[r];
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot<scalar_t, BS, D>) {  // rounded to nearest even, as the scalar cast
+      for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s.o.data() + r * D + d), _mm512_set1_ps(inv))));
+      continue;
+    }
+#endif
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(s.o[r * dim + d] * inv);
   }
 }
