@@ -70,7 +70,8 @@ def has_avx512() -> bool:
 @functools.cache
 def widens_bf16() -> bool:
     """Whether bf16 layers take the kernels' AVX2 path: a CPU with AVX2 and FMA but no
-    AVX512-BF16, where bf16 weights widen to fp32 in registers (csrc/bf16_gemv_avx2.h)."""
+    AVX512-BF16, where bf16 weights widen to fp32 in registers (csrc/bf16_gemv_widened.h,
+    csrc/bf16_batch_linear.cpp)."""
     flags = _cpu_flags().split()
     return "avx2" in flags and "fma" in flags and not has_bf16_dot() and available()
 

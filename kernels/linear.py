@@ -18,12 +18,11 @@ ahead, so that reading and computing overlap).
 A CPU without AVX512-BF16 has no bf16 arithmetic: on AVX2 (AMD Zen 2/3, Intel client
 cores) oneDNN has no bf16 matmul (torch's runs at a tenth of fp32's speed), on AVX-512F alone
 (Xeons from Skylake to Ice Lake, or a newer one whose hypervisor hides AVX512-BF16) oneDNN
-emulates one at a quarter of fp32's speed. On AVX-512F a layer's pair-layout copy takes the
-place of its plain weight, and the same kernel as above multiplies it widened (the pairs
-widened to fp32 in registers) for every row count. On AVX2, and for a layer whose output is
-no multiple of 64, there is no packed copy: up to 64 rows run on the widening GEMV (the
-plain weight widened in registers), more as fp32 matmuls over the weight widened a block
-at a time.
+emulates one at a quarter of fp32's speed. On both a layer's pair-layout copy takes the
+place of its plain weight, and the same kernel as above multiplies it widened (the pairs widened
+to fp32 in registers) for every row count. A layer whose output is no multiple of 64 has
+no packed copy: up to 64 rows run on the widening GEMV (the plain weight widened in
+registers), more as fp32 matmuls over the weight widened a block at a time.
 """
 
 from __future__ import annotations
@@ -195,8 +194,8 @@ def _amx_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _pairs_fit(weight: torch.Tensor) -> bool:
     # with AMX, oneDNN's packed copy runs prompts on the tiles and the AMX kernel batches
     return (weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[0] % PAIR_COLUMNS == 0
-            and weight.shape[1] % 2 == 0 and cpu_extension.has_avx512() and cpu_extension.available()
-            and not cpu_extension.has_amx())
+            and weight.shape[1] % 2 == 0 and (cpu_extension.has_avx512() or cpu_extension.widens_bf16())
+            and cpu_extension.available() and not cpu_extension.has_amx())
 
 
 @functools.cache

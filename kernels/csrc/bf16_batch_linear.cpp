@@ -29,8 +29,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define VLMSERVE_PAIR_KERNEL
 #endif
 
 #include "dispatch.h"
@@ -118,6 +119,53 @@ inline void row_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(c_rows + r * kCols + 16 * c, acc[r][c]);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+using XValue = float;               // x widened to fp32, two values a pair
+constexpr int64_t kXPerPair = 2;
+constexpr int kRowTile = 6;         // rows per register tile (6 x 2 accumulators, 2 of w, 1 of x)
+
+// as above with 16 registers of 8 lanes: the 64 columns in groups of 8 x C (C vectors of
+// 8 sums a row: all 64 for one row, 32 for two, 16 for more), each group over all the
+// chunk's pairs; a pair's first values (a shift) multiplied by every row's x, then its
+// second values (a mask)
+template <int R>
+inline void row_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* c_rows,
+                     bool first, const char* ahead, const char* ahead_stop, const char* stream_end) {
+  constexpr int C = R == 1 ? 8 : (R == 2 ? 4 : 2);
+  constexpr int kGroups = kCols / (8 * C);
+  ahead_stop = std::min(ahead_stop, stream_end);
+  const int64_t span = ahead < ahead_stop ? ahead_stop - ahead : 0;
+  const char* const ahead_begin = ahead;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int g = 0; g < kGroups; ++g) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c_rows + r * kCols + 8 * (C * g + c));
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint16_t* wp = w + p * kCols * 2 + 16 * C * g;
+      ask_ahead(ahead, ahead_begin + span * (g * pairs + p + 1) / (kGroups * pairs));
+      __m256i raw[C];
+      __m256 wide[C];
+      for (int c = 0; c < C; ++c) {
+        raw[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * c));
+        wide[c] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[c], 16));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + 2 * p);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wide[c], xr, acc[r][c]);
+      }
+      for (int c = 0; c < C; ++c) wide[c] = _mm256_castsi256_ps(_mm256_and_si256(raw[c], high_half));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(x + r * x_stride + 2 * p + 1);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wide[c], xr, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(c_rows + r * kCols + 8 * (C * g + c), acc[r][c]);
+  }
+}
+
 #endif
 
 // out [N / 64, K / 2, 64, 2] <- weight [N, K]
@@ -143,7 +191,7 @@ void bf16_pair_pack(const at::Tensor& weight, at::Tensor& out) {
 }
 
 at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-#if defined(__AVX512F__)
+#if defined(VLMSERVE_PAIR_KERNEL)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
               "bf16 x and a weight from bf16_pair_pack");
@@ -207,7 +255,7 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
   shape.back() = n;
   return out.view(shape);
 #else
-  TORCH_CHECK(false, "bf16_batch_linear needs AVX-512");
+  TORCH_CHECK(false, "bf16_batch_linear needs AVX-512 or AVX2");
 #endif
 }
 
