@@ -297,13 +297,17 @@ def test_bf16_decode_linear_equals_an_fp32_product_rounded_once(rows, bias):
 
 
 @pytest.mark.skipif(not cpu_extension.available(), reason="vlmserve's CPU kernels are not built here")
+@pytest.mark.parametrize("kernel", ["gemv", "pairs"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_bf16_gemv_rounds_its_sums_to_nearest_even_as_torch(rows):
-    """The kernel's fp32 sums go to bf16 as torch rounds them (to nearest, ties to even; a
-    NaN stays one), by AVX512-BF16's instruction or, without it, by integer arithmetic:
-    each x picks two weight columns, whose sum fp32 holds exactly, many of them ties."""
+def test_bf16_kernels_round_their_sums_to_nearest_even_as_torch(rows, kernel):
+    """The kernels' fp32 sums (the GEMV's on the plain weight, the pair layout's) go to bf16
+    as torch rounds them (to nearest, ties to even; a NaN stays one), by AVX512-BF16's
+    instruction or, without it, by integer arithmetic (16 or 8 lanes at a time): each x
+    picks two weight columns, whose sum fp32 holds exactly, many of them ties."""
+    from vlmserve.kernels import linear
+
     torch.manual_seed(rows)
-    weight = torch.randn(4 * 40, 64).to(torch.bfloat16)
+    weight = torch.randn(3 * 64, 64).to(torch.bfloat16)
     weight[:, 1] = weight[:, 0] * 2**-8  # w0 + w1 lies halfway between two bf16 values
     weight[7, 2] = float("nan")
     x = torch.zeros(rows, 64, dtype=torch.bfloat16)
@@ -311,7 +315,14 @@ def test_bf16_gemv_rounds_its_sums_to_nearest_even_as_torch(rows):
     for m in range(rows):
         x[m, list(picks[m])] = 1
     want = (x.float() @ weight.float().t()).to(torch.bfloat16)  # exact in fp32: two terms, zeros (0 x NaN: NaN)
-    got = cpu_kernels().bf16_gemv(x, weight, None)
+    if kernel == "gemv":
+        got = cpu_kernels().bf16_gemv(x, weight, None)
+    elif linear._pairs_fit(weight):
+        packed = torch.empty(3, 32, 64, 2, dtype=torch.bfloat16)
+        cpu_kernels().bf16_pair_pack(weight, packed)
+        got = cpu_kernels().bf16_batch_linear(x, packed, None)
+    else:
+        pytest.skip("the pair kernel needs AVX-512 or AVX2 (and no AMX)")
     assert got[:, 7].isnan().all() and not got[:, :7].isnan().any()
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
 
