@@ -123,7 +123,7 @@ def packed_copy_replaces_weight_cpu(weight: torch.Tensor) -> bool:
     weight's kernels (Qwen2.5-VL-3B's matrices, 2 threads): on a Xeon with AVX-512F one row
     at 0.95x the widening GEMV's speed, two or three rows 1.1x, 8-64 rows 1.3-1.6x; prompts
     1.1-1.2x the widened fp32 matmul at 256 rows, 0.92-0.96x from 1,024; on an AVX2 EPYC one
-    row 0.94-0.98x, 8-64 rows 1.15-1.8x, prompts of 512-2,048 rows 1.2-1.3x. So one copy, not
+    row 0.93-1.07x (noise), 8-64 rows 1.15-1.8x, prompts of 512-2,048 rows 1.2-1.3x. So one copy, not
     two, is kept. Elsewhere the plain weight stays: the AVX512-BF16 GEMV reads it for one to
     three rows."""
     return _pairs_fit(weight) and widens_bf16_layers()

@@ -352,7 +352,7 @@ def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_block
 @pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
-    """A packed bf16 layer from 4 rows on, on CPUs with AVX-512 and no AMX: the pair
+    """A packed bf16 layer from 4 rows on, on CPUs with AVX-512 or AVX2 and no AMX: the pair
     layout's kernel (its pairs widened to fp32 where there is no AVX512-BF16), over several
     blocks of 64 columns (split between the threads), two chunks of input channels, row
     tiles of unequal sizes and, past 128 rows, several passes over the weight: fp32 sums of
@@ -361,7 +361,7 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
     from vlmserve.kernels import cpu_extension, linear
 
     if not linear._pairs_fit(torch.empty(64, 2, dtype=torch.bfloat16)):
-        pytest.skip("the pair kernel needs AVX-512 (and no AMX)")
+        pytest.skip("the pair kernel needs AVX-512 or AVX2 (and no AMX)")
     torch.manual_seed(rows)
     layer = Linear(1100, 3 * 64, bias=bias).to(torch.bfloat16)
     weight = layer.weight.detach().clone()  # the copy may take its place
@@ -386,7 +386,7 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 600])
 def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
-    """On an AVX-512F CPU without AVX512-BF16 a packed bf16 layer keeps its pair-layout copy
+    """On a CPU without AVX512-BF16 (AVX-512F or AVX2) a packed bf16 layer keeps its pair-layout copy
     alone (the plain weight goes), and one row, a batch and a prompt of over 512 rows all run
     on it: fp32 sums of the exact bf16 products, rounded once. Elsewhere the plain weight
     stays beside any packed copy."""
@@ -399,7 +399,7 @@ def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
     layer.pack()
     if not replaces:
         assert torch.equal(layer.weight, weight)
-        pytest.skip("packed copies take the weight's place on AVX-512F CPUs without AVX512-BF16")
+        pytest.skip("packed copies take the weight's place on CPUs without AVX512-BF16")
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16 and layer.packed_weight.dim() == 4
     x = torch.randn(rows, 1100).to(torch.bfloat16)
     with torch.inference_mode():
@@ -438,7 +438,7 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
     model, _ = load_model(path, dtype, kernel_table("cpu"))
     table = model.model.language_model.embed_tokens.weight
-    # the head's own copy takes the table's place in the head only (AVX-512F, no AVX512-BF16)
+    # the head's own copy takes the table's place in the head only (CPUs without AVX512-BF16)
     assert model.lm_head.weight is table or model.lm_head.weight.numel() == 0
     if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
         assert model.lm_head.packed_weight is not None

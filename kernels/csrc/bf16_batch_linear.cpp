@@ -1,7 +1,7 @@
 // bf16 linear layers for a batch of decoding requests (4 to 64 rows) on CPUs with
 // AVX512-BF16, from a copy of the weight in the dot product's pair layout; and on AVX-512F
-// CPUs without it (no bf16 arithmetic), from the same copy, each pair widened to fp32 in
-// registers (a shift and a mask) and multiplied with x widened once per call.
+// or AVX2 CPUs without it (no bf16 arithmetic), from the same copy, each pair widened to
+// fp32 in registers (a shift and a mask) and multiplied with x widened once per call.
 //
 // At these row counts a decode step's matmul should cost the larger of its FLOPs at the
 // CPU's peak and its weight bytes at the memory's bandwidth. oneDNN's matmul on its packed
