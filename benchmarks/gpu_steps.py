@@ -197,9 +197,14 @@ def step_serve(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
         details.update(text=text, streamed=streamed, prompt_tokens=whole.usage.prompt_tokens,
                        completion_tokens=whole.usage.completion_tokens,
                        streamed_completion_tokens=usage.completion_tokens if usage else None)
-        ok = bool(text) and streamed == text and whole.usage.prompt_tokens > 64  # the picture's tokens count
+        # the picture's tokens count: more prompt tokens than the same text alone
+        text_only = client.chat.completions.create(**{**kwargs, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Describe the image."}]})
+        details["text_only_prompt_tokens"] = text_only.usage.prompt_tokens
+        ok = bool(text) and streamed == text and whole.usage.prompt_tokens > text_only.usage.prompt_tokens
         if not ok:
-            details["problem"] = "empty answer, or the streamed answer differs from the plain one"
+            details["problem"] = ("empty answer, the streamed answer differs from the plain one, or the picture "
+                                  "added no prompt tokens")
         return ok, details
     finally:
         if server.poll() is None:

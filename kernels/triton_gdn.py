@@ -263,6 +263,19 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     return out
 
 
+def chunked_launches(dk: int, dv: int, dtype: torch.dtype, chunk: int = CHUNK) -> dict[str, tuple]:
+    """The chunked form's two kernels with their block sizes and launch options at these
+    head widths and this storage dtype: {"prepare" | "scan": (kernel, options)}."""
+    block_k = triton.next_power_of_2(dk)
+    common = dict(DK=dk, DV=dv, BLOCK_K=block_k, CHUNK=chunk, PRECISION=dot_precision(dtype),
+                  num_warps=8 if block_k >= 128 else 4)  # wide heads: 64-token q, k and W tiles in registers
+    # the scan in one stage (its chunks' loads not pipelined): at head 128 Triton's default
+    # of 3 wants 272-297 KB of shared memory, over the 227 KB a block gets on an H100/H200
+    return {"prepare": (_chunk_prepare_kernel, {**common, "BLOCK_V": min(triton.next_power_of_2(dv), 64)}),
+            "scan": (_chunk_scan_kernel, {**common, "BLOCK_V": min(triton.next_power_of_2(dv), SCAN_BLOCK_V),
+                                          "num_stages": 1})}
+
+
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              state: torch.Tensor, out: torch.Tensor, meta: RecurrentMetadata, has_state: torch.Tensor,
              checkpoints: torch.Tensor, width: int, longest: int, chunk: int) -> None:
@@ -270,24 +283,19 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     then the scan over each sequence's chunks."""
     tokens, key_heads, dk = q.shape
     heads, dv = v.shape[1], v.shape[2]
-    block_k = triton.next_power_of_2(dk)
-    precision = dot_precision(v.dtype)
+    launches = chunked_launches(dk, dv, v.dtype, chunk)
     # fp32 workspaces (the decode rows in them are never written or read)
     u = torch.empty(tokens, heads, dv, dtype=torch.float32, device=v.device)
     w = torch.empty(tokens, heads, dk, dtype=torch.float32, device=v.device)
     gcum = torch.empty(tokens, heads, dtype=torch.float32, device=v.device)
     num_seqs = meta.slots.shape[0]
-    warps = 8 if block_k >= 128 else 4  # wide heads: q, k and W tiles of a 64-token chunk in registers
-    _chunk_prepare_kernel[(num_seqs, triton.cdiv(longest, chunk), heads)](
-        k, v, g, beta, u, w, gcum, meta.query_start, checkpoints, width, key_heads, heads,
-        DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=min(triton.next_power_of_2(dv), 64), CHUNK=chunk, PRECISION=precision,
-        num_warps=warps,
-    )
-    block_v = min(triton.next_power_of_2(dv), SCAN_BLOCK_V)
-    _chunk_scan_kernel[(num_seqs, heads, triton.cdiv(dv, block_v))](
+    prepare, options = launches["prepare"]
+    prepare[(num_seqs, triton.cdiv(longest, chunk), heads)](
+        k, v, g, beta, u, w, gcum, meta.query_start, checkpoints, width, key_heads, heads, **options)
+    scan, options = launches["scan"]
+    scan[(num_seqs, heads, triton.cdiv(dv, options["BLOCK_V"]))](
         q, k, u, w, gcum, state, out, meta.query_start, meta.slots, has_state, checkpoints, width, key_heads, heads,
-        DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=chunk, PRECISION=precision, num_warps=warps,
-    )
+        **options)
 
 
 def gated_delta_rule_recurrent_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -387,3 +387,46 @@ def test_gated_delta_rule_and_conv1d_at_real_widths(dtype):
     y = triton_gdn.causal_conv1d_triton(x, weight, conv_state, meta)
     torch.testing.assert_close(y.float(), gdn.causal_conv1d(x, weight, ref_conv, meta).float(), **tol(dtype, 1e-4))
     torch.testing.assert_close(conv_state, ref_conv, **tol(dtype, 0.0))
+
+
+HOPPER_SHARED_MEMORY = 232448  # bytes a block may take on an H100/H200 (227 KB)
+COMPILE_FOR_HOPPER = """
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vlmserve.kernels import triton_gdn
+
+STORAGE = {"q_ptr", "k_ptr", "v_ptr", "out_ptr"}  # in the model's dtype; the rest fp32 or int32
+FP32 = {"g_ptr", "beta_ptr", "u_ptr", "w_ptr", "gcum_ptr", "state_ptr"}
+shared = {}
+for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    for kernel_name, (kernel, options) in triton_gdn.chunked_launches(128, 128, dtype, chunk=64).items():
+        constexprs = {k: v for k, v in options.items() if not k.startswith("num_")}
+        signature = {arg: "constexpr" if arg in constexprs else (f"*{name}" if arg in STORAGE else
+                     "*fp32" if arg in FP32 else "*i32" if arg.endswith("_ptr") else "i32")
+                     for arg in kernel.arg_names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={k: v for k, v in options.items() if k.startswith("num_")})
+        shared[f"{kernel_name} {name}"] = compiled.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+def test_chunked_delta_rule_fits_hopper_shared_memory():
+    """The chunked delta rule's kernels at Qwen3.5's head width (128), compiled for an
+    H100/H200 (sm_90; Triton compiles without a GPU), take at most the shared memory a
+    block gets there: the default 3-stage pipeline of the scan once asked for 272-297 KB
+    and failed to launch on the H200 (gpu_check, 2026-12-04)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {"prepare fp32", "scan fp32", "prepare bf16", "scan bf16"}
+    assert all(0 < used <= HOPPER_SHARED_MEMORY for used in shared.values()), shared

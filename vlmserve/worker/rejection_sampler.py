@@ -48,13 +48,16 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], batch: SamplingBatch) 
     logits = apply_logit_rules(logits, batch)
     greedy = batch.temperature == 0
     argmax = ops.argmax_rows(logits)
-    draft_rows = torch.tensor([s + j for s, d in zip(starts, drafts) for j in range(len(d))], dtype=torch.long)
-    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+    dev = logits.device
+    draft_rows = torch.tensor([s + j for s, d in zip(starts, drafts) for j in range(len(d))], dtype=torch.long,
+                              device=dev)
+    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
     probs = None if batch.all_greedy else target_probs(logits, batch)
     if probs is None:
         kept = argmax[draft_rows] == draft_ids
     else:
-        uniform = torch.cat([torch.rand(len(d), generator=batch.generators[s]) for s, d in zip(starts, drafts)])
+        uniform = torch.cat([torch.rand(len(d), generator=batch.generators[s], device=dev)
+                             for s, d in zip(starts, drafts)])
         kept = torch.where(greedy[draft_rows], argmax[draft_rows] == draft_ids,
                            uniform < probs[draft_rows, draft_ids])
     kept_list = kept.tolist()
@@ -66,13 +69,13 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], batch: SamplingBatch) 
         num_kept.append(a)
         last_rows.append(s + a)
         offset += len(d)
-    last = torch.tensor(last_rows, dtype=torch.long)
+    last = torch.tensor(last_rows, dtype=torch.long, device=dev)
     tokens = argmax[last]
     if probs is not None:
         residual = probs[last]
         refused = [(i, d[a]) for i, (d, a) in enumerate(zip(drafts, num_kept)) if a < len(d)]
         if refused:
-            rows, ids = (torch.tensor(x, dtype=torch.long) for x in zip(*refused))
+            rows, ids = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*refused))
             residual[rows, ids] = 0.0
             # rounding can leave nothing: then the refused token was all of p, draw from p
             empty = residual.sum(dim=-1) == 0
