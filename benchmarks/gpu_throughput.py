@@ -10,7 +10,9 @@ weights drawn on the GPU):
 - a batch: --batch-requests chats about pictures of 336-1024 px, 32-256 answer tokens,
   all at once (transformers: one generate call over the whole batch);
 - CUDA graphs: the tokens of vlmserve with graphs and eager must be the same, and the
-  decode speed-up is printed.
+  decode speed-up is printed;
+- where vlmserve's one-user steps spend their time on the host (milliseconds a step per
+  phase of the engine's step: scheduling, inputs, forward, sampling, output processing).
 
     python benchmarks/gpu_throughput.py OUT.json [--families qwen2_5_vl_3b,qwen3_5] [--layers 8]
         [--batch-requests 16] [--budget 300]
@@ -58,14 +60,18 @@ def gpu_limits() -> dict[str, float]:
 
 
 def one_user_figures(run: dict[str, Any], step_bytes: float, copy_gbs: float) -> dict[str, Any]:
-    """Time to first token, decode tokens/s after it, and that decode's share of the
-    bandwidth roofline."""
+    """Time to first token, decode tokens/s after it, that decode's share of the
+    bandwidth roofline, and (vlmserve) the host's milliseconds a step in each phase."""
     ttft = run["ttft"][0] if run.get("ttft") else None
     decode = (run["tokens"] - 1) / (run["seconds"] - ttft) if ttft is not None else None
-    return {"seconds": round(run["seconds"], 3), "tokens": run["tokens"], "ttft_s": ttft and round(ttft, 3),
-            "decode_tok_s": decode and round(decode, 1),
-            "hbm_share": decode and round(decode * step_bytes / (copy_gbs * 1e9), 3),
-            "first_tokens": run["first_tokens"]}
+    figures = {"seconds": round(run["seconds"], 3), "tokens": run["tokens"], "ttft_s": ttft and round(ttft, 3),
+               "decode_tok_s": decode and round(decode, 1),
+               "hbm_share": decode and round(decode * step_bytes / (copy_gbs * 1e9), 3),
+               "first_tokens": run["first_tokens"]}
+    if run.get("steps"):
+        figures["phase_ms_per_step"] = {name: round(1e3 * seconds / run["steps"], 3)
+                                        for name, seconds in sorted(run["phases"].items(), key=lambda x: -x[1])}
+    return figures
 
 
 def run_engine(name: str, command: list[str], folder: Path, batch_workload: Path, step_bytes: float,
@@ -105,7 +111,9 @@ def run_family(family: str, args: argparse.Namespace, limits: dict[str, float], 
     common = ["--workload", str(folder / "one" / "workload.json"), "--model", model, "--dtype", "bfloat16",
               "--device", "cuda", "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
               "--max-images", "2", "--threads", "8"]
-    vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common]
+    # --profile: wall time per phase of the steps (on the host: the GPU's work lands in the
+    # first phase that waits for it, sampling's copy of the tokens back)
+    vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--profile"]
     engines = {"vlmserve": vlmserve, "vlmserve eager": [*vlmserve, "--enforce-eager"],
                "transformers": [sys.executable, str(WORKERS / "transformers_worker.py"), *common,
                                 "--batch", str(args.batch_requests)]}

@@ -119,3 +119,19 @@ def test_the_throughput_comparison():
     assert got["ok"] is True
     results["transformers"] = {"error": "WorkerDied: transformers"}
     assert gpu_throughput.compare(results)["ok"] is False
+
+
+def test_the_one_user_figures():
+    """gpu_throughput.one_user_figures on a worker's run: decode after the first token, its
+    share of the HBM roofline, and (with the worker's --profile) milliseconds a step per
+    phase, largest first."""
+    import gpu_throughput
+
+    run = {"seconds": 1.0, "tokens": 201, "ttft": [0.2], "first_tokens": [1, 2],
+           "phases": {"schedule": 0.05, "runner: sample": 0.4, "runner: forward": 0.25}, "steps": 200}
+    got = gpu_throughput.one_user_figures(run, step_bytes=2e9, copy_gbs=4000.0)
+    assert got["decode_tok_s"] == 250.0 and got["ttft_s"] == 0.2
+    assert got["hbm_share"] == 0.125  # 250 steps/s x 2 GB over 4,000 GB/s
+    assert list(got["phase_ms_per_step"].items()) == [("runner: sample", 2.0), ("runner: forward", 1.25),
+                                                      ("schedule", 0.25)]
+    assert "phase_ms_per_step" not in gpu_throughput.one_user_figures({**run, "steps": 0}, 2e9, 4000.0)
