@@ -94,6 +94,8 @@ class Check:
             env["PYTHONPATH"] = os.pathsep.join(path)
         if not self.dry_run:
             env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
+            # no C++ build there: the parity step's CPU reference engine runs pure torch
+            env["VLMSERVE_NO_CPU_KERNELS"] = "1"
         return env
 
     def save(self) -> None:

@@ -132,8 +132,9 @@ def test_sampling_features_a_grammar_drafts_and_lora_give_the_cpu_tokens_on_the_
     """Penalties, logit bias, bad words, min_tokens, a regex, logprobs and the prompt's
     logprobs in one batch, then the same under a LoRA adapter, then n-gram drafts (greedy:
     the plain tokens; sampled with a seed: the same tokens twice): the GPU engine against
-    the CPU engine, both fp32. Each path builds tensors of its own (masks, penalty counts,
-    draft indices, adapter slots) that must sit on the logits' device."""
+    the CPU engine, both fp32 (the CPU one on pure torch under gpu_check, which builds no
+    C++ kernels there). Each path builds tensors of its own (masks, penalty counts, draft
+    indices, adapter slots) that must sit on the logits' device."""
     hf = HFReference(qwen25_path)  # for the chat template only
     adapter = write_lora_adapter(qwen25_path, tmp_path / "lora", rank=8, target_modules=["q_proj", "v_proj"], seed=3)
     lora = LoRARequest("a", 1, str(adapter))
