@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import TEST_DEVICE, HFReference, make_image
+from test_spec_decode import NGRAM
 from vlmserve import LLM, LoRARequest, SamplingParams
 from vlmserve.sampling_params import StructuredOutputsParams
 from vlmserve.testing.lora_adapters import write_lora_adapter
@@ -67,9 +68,12 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def prompt_request(hf: HFReference, text: str, images) -> dict:
+    return {"prompt": hf.prompt(text, len(images)), "multi_modal_data": {"image": images}}
+
+
 def run(llm: LLM, hf: HFReference):
-    requests = [{"prompt": hf.prompt(text, len(images)), "multi_modal_data": {"image": images}}
-                for text, images in PROMPTS]
+    requests = [prompt_request(hf, text, images) for text, images in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
     return [out.outputs[0] for out in llm.generate(requests, params)]
 
@@ -118,12 +122,10 @@ FEATURES = {
     "regex": dict(structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}")),
     "logprobs": dict(logprobs=5, prompt_logprobs=3),
 }
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def feature_run(llm: LLM, hf: HFReference, lora: LoRARequest | None = None):
-    text, images = PROMPTS[0]
-    request = {"prompt": hf.prompt(text, len(images)), "multi_modal_data": {"image": images}}
+    request = prompt_request(hf, *PROMPTS[0])
     params = [SamplingParams(temperature=0, max_tokens=8, **kwargs) for kwargs in FEATURES.values()]
     return llm.generate([request] * len(params), params, lora_request=lora)
 
@@ -150,8 +152,7 @@ def test_sampling_features_a_grammar_drafts_and_lora_give_the_cpu_tokens_on_the_
                                                                          torch.tensor(y.logprobs), atol=1e-3)
                 assert len(a.prompt_logprobs) == len(b.prompt_logprobs) > 0
     drafting = LLM(qwen25_path, dtype="float32", device="cuda", num_kv_blocks=256, speculative_config=NGRAM)
-    text, images = PROMPTS[0]
-    request = {"prompt": hf.prompt(text, len(images)), "multi_modal_data": {"image": images}}
+    request = prompt_request(hf, *PROMPTS[0])
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = engines["cuda"].generate([request], greedy)[0].outputs[0].token_ids
     assert drafting.generate([request], greedy)[0].outputs[0].token_ids == plain

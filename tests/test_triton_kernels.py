@@ -15,6 +15,10 @@ bf16, the dots in tf32).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -391,7 +395,7 @@ def test_gated_delta_rule_and_conv1d_at_real_widths(dtype):
 
 HOPPER_SHARED_MEMORY = 232448  # bytes a block may take on an H100/H200 (227 KB)
 COMPILE_FOR_HOPPER = """
-import json, sys, torch, triton
+import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vlmserve.kernels import triton_gdn
@@ -418,11 +422,6 @@ def test_chunked_delta_rule_fits_hopper_shared_memory():
     H100/H200 (sm_90; Triton compiles without a GPU), take at most the shared memory a
     block gets there: the default 3-stage pipeline of the scan once asked for 272-297 KB
     and failed to launch on the H200 (gpu_check, 2026-12-04)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
                           timeout=600)
