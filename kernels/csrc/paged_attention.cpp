@@ -257,8 +257,8 @@ inline bool block_softmax(float* sc, const int32_t* lo, const int32_t* hi, int64
 // keys 1.14x (0.315 against 0.277 TFLOP/s), a decode step of 32 sequences of 1,100 tokens
 // 1.05-1.15x.
 template <bool Pair, int BS, int D, typename scalar_t>
-VLMSERVE_INLINE void two_block_scores(const uint32_t* q_pairs, float scale, const scalar_t* keys_a, const scalar_t* keys_b,
-                             __m512* sc_a, __m512* sc_b) {
+VLMSERVE_INLINE void two_block_scores(const uint32_t* q_pairs, float scale, const scalar_t* keys_a,
+                                      const scalar_t* keys_b, __m512* sc_a, __m512* sc_b) {
   for (int r = 0; r < kRows; ++r) sc_a[r] = sc_b[r] = _mm512_setzero_ps();
   if constexpr (Pair) {
     for (int dp = 0; dp < D / 2; ++dp) {
@@ -289,8 +289,8 @@ VLMSERVE_INLINE void two_block_scores(const uint32_t* q_pairs, float scale, cons
 // maximum, one correction and one sum for both; p rounded to bf16 as p_a / p_b pairs.
 template <bool Pair, int BS>
 VLMSERVE_INLINE bool two_block_softmax(const __m512* sc_a, const __m512* sc_b, const int32_t* lo, const int32_t* hi,
-                              int64_t key0, float* row_max, float* row_sum, float* correction, uint32_t* p_a,
-                              uint32_t* p_b) {
+                                       int64_t key0, float* row_max, float* row_sum, float* correction, uint32_t* p_a,
+                                       uint32_t* p_b) {
   static_assert(BS == 16, "one vector a block");
   auto visible_mask = [](int64_t t0, int64_t t1) -> __mmask16 {
     t0 = std::max<int64_t>(t0, 0);
@@ -326,8 +326,8 @@ VLMSERVE_INLINE bool two_block_softmax(const __m512* sc_a, const __m512* sc_b, c
 // out[r] = out[r] * correction[r] + p_a[r] . values_a + p_b[r] . values_b (values_b
 // nullptr past the last block): block_values over two blocks, out read and written once.
 template <int BS, int D, typename scalar_t>
-VLMSERVE_INLINE void two_block_values(const uint32_t* p_a, const uint32_t* p_b, const float* correction, const scalar_t* values_a,
-                             const scalar_t* values_b, float* out) {
+VLMSERVE_INLINE void two_block_values(const uint32_t* p_a, const uint32_t* p_b, const float* correction,
+                                      const scalar_t* values_a, const scalar_t* values_b, float* out) {
   constexpr int kChunks = D % 64 == 0 ? 4 : D % 32 == 0 ? 2 : 1;  // up to 64 channels at a time
   for (int d0 = 0; d0 < D; d0 += 16 * kChunks) {
     __m512 acc[kRows][kChunks];
