@@ -605,7 +605,7 @@ def test_varlen_attention_attends_within_each_sequence(seq_lens):
 
 @pytest.mark.parametrize("heads,head_dim,seq_lens", [
     (16, 80, [64, 64, 48, 64, 17]),  # Qwen2.5-VL's windows, edge windows shorter
-    (2, 80, [700]),  # a frame past the kernel's query and key blocks (64, 256)
+    (2, 80, [700]),  # a frame past the query and key blocks (64, 128); its queries in shares, each packing the keys
     (3, 72, [5, 300, 1]),  # Qwen3-VL's head size: a part of a 16-lane group
     (2, 128, [33, 257]),  # more output lanes than the registers hold at once
 ])
