@@ -138,8 +138,9 @@ void pack(const uint16_t* k, const uint16_t* v, const Layout& l, int64_t begin, 
 // Queries [q0, q1) of a sequence of len tokens starting at begin, one head. Not inlined:
 // inlined into the loop over a work item's query blocks, GCC's code ran full attention
 // 5-10% slower (heads of 72 over 4,096 patches: 0.24 against 0.27 TFLOP/s; measured).
-__attribute__((noinline)) void attend(const uint16_t* q, uint16_t* out, const Layout& l, int64_t begin, int64_t len, int64_t h, int64_t q0,
-            int64_t q1, const uint32_t* kp, const uint32_t* vp, float scale, Scratch& w) {
+__attribute__((noinline)) void attend(const uint16_t* q, uint16_t* out, const Layout& l, int64_t begin, int64_t len,
+                                      int64_t h, int64_t q0, int64_t q1, const uint32_t* kp, const uint32_t* vp,
+                                      float scale, Scratch& w) {
   const int64_t rows = q1 - q0, lp = round_up(len, 16);
   std::fill(w.q_pairs.begin(), w.q_pairs.end(), 0u);
   for (int64_t i = 0; i < rows; ++i)
