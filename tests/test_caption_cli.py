@@ -16,7 +16,7 @@ import pytest
 from conftest import make_image, png_bytes
 from media_files import video_bytes
 from vlmserve import LLM, SamplingParams
-from vlmserve.entrypoints.captioner import Row, merge_shards, previous_rows, shard_dir
+from vlmserve.entrypoints.caption_rows import Row, merge_shards, previous_rows, shard_dir
 
 
 @pytest.fixture(scope="module")

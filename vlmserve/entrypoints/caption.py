@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from vlmserve.entrypoints.captioner import (CaptionJob, Captioner, Row, Summary, captioned_originals, expand_inputs,
-                                            merge_shards, previous_rows, shard_dir, write_row)
+from vlmserve.entrypoints.caption_rows import (CaptionJob, Row, Summary, captioned_originals, expand_inputs,
+                                              merge_shards, previous_rows, shard_dir, write_row)
+from vlmserve.entrypoints.captioner import Captioner
 from vlmserve.errors import ConfigError
 from vlmserve.lora.adapter import LoRAError, configured_rank
 from vlmserve.lora.request import LoRARequest
@@ -121,6 +122,9 @@ def _caption_on_ray(args: argparse.Namespace, job: CaptionJob, engine_args, on_r
         track(rows, job.summary, len(job.todo), not args.no_progress, on_row=on_row)  # the workers write the rows
         merge_shards(args.out)
     except KeyboardInterrupt:  # the shards stay, for --resume
+        # Ray Data's iterators clean up while Ray is still up (left to the garbage
+        # collector after the shutdown, their clean-up started a second local Ray)
+        rows.close()
         ray.shutdown()  # the job's actors stop too: none writes to a shard after this
         return start, True
     return start, False

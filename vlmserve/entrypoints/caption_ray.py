@@ -22,7 +22,7 @@ from typing import Any
 
 from vlmserve.engine.args import EngineArgs
 from vlmserve.multimodal.media import modality_of
-from vlmserve.entrypoints.captioner import CaptionJob, Row, copy_row, shard_dir, write_row
+from vlmserve.entrypoints.caption_rows import CaptionJob, Row, copy_row, shard_dir, write_row
 
 # per-batch engine counters an actor sends back with its rows (on the batch's first row)
 COUNTERS = ("encoder_cache_hits", "prefix_cached_tokens")
@@ -113,7 +113,7 @@ def run_on_ray(address: str, workers: int, job: CaptionJob, engine_args: EngineA
             fn_constructor_args=(engine_args, job.prompt, job.video_prompt, job.params, settings, concurrency,
                                  str(shards), job.lora, job.pooling),
             batch_size=batch_size,
-            concurrency=workers,
+            compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=1,
         )
         counters = {k: 0 for k in COUNTERS}

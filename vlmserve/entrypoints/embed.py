@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmserve.entrypoints.captioner import TEXT_PREFIX, Row, parse_rows
+from vlmserve.entrypoints.caption_rows import TEXT_PREFIX, Row, parse_rows
 from vlmserve.errors import ConfigError
 from vlmserve.pooling_params import PoolingParams
 
