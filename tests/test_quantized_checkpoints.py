@@ -1,7 +1,8 @@
 """Published quantized formats (AWQ, GPTQ 4/8-bit with and without desc_act, block-wise
 FP8, compressed-tensors W4A16 and W8A8): vlmserve's greedy tokens equal transformers' on
-the weights each format stands for; the int4/int8/fp8 ones stay quantized in memory; each
-loads through `serve` for the official openai client; what is not loaded is named."""
+the weights each format stands for; the int4/int8/fp8 ones stay quantized in memory and
+answer in the default dtype; each loader's formats load through `serve` for the official
+openai client; what is not loaded is named."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import torch
 
 from conftest import HFReference, assert_greedy_like_transformers, make_image
 from vlmserve import LLM, SamplingParams
-from vlmserve.kernels import kernel_table
 from vlmserve.models.layers import Linear
 from vlmserve.testing.checkpoints import build_qwen2_5_vl
 from vlmserve.testing.quantized_checkpoints import write_awq, write_compressed_tensors, write_fp8, write_gptq
-from vlmserve.worker.model_loader import load_model
 
 FORMATS = {
     # name: (writer, layers expected to stay quantized)
@@ -85,8 +84,11 @@ def test_a_fused_layer_of_quantized_and_plain_parts_loads(tmp_path):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_int4_int8_and_fp8_formats_stay_quantized_in_memory(checkpoints, name):
-    model, _ = load_model(checkpoints[name][0], "bfloat16", kernel_table("cpu"))
+def test_int4_int8_and_fp8_formats_stay_quantized_in_memory_and_answer(checkpoints, name):
+    llm = LLM(str(checkpoints[name][0]), num_kv_blocks=64)  # the default dtype: bf16 on this CPU
+    out = llm.generate("Tell me a story about a fox.", SamplingParams(temperature=0, max_tokens=5))[0]
+    assert out.outputs[0].text
+    model = llm.engine.engine_core.runner.model
     language = [m for m in model.model.language_model.modules() if isinstance(m, Linear)]
     stays_quantized = FORMATS[name][1]
     assert all((m.quantized is not None) == stays_quantized for m in language)
@@ -95,10 +97,12 @@ def test_int4_int8_and_fp8_formats_stay_quantized_in_memory(checkpoints, name):
         assert all(m.quantized.data.dtype == torch.float8_e4m3fn for m in language)
 
 
-def test_serve_loads_each_format_for_the_openai_client(checkpoints):
+def test_serve_loads_each_loaders_format_for_the_openai_client(checkpoints):
     from test_openai_server import Server
 
-    for name in FORMATS:
+    # one format of each loader (its variants differ in the layers the test above checks,
+    # not in what serve does)
+    for name in ("awq", "gptq-int4-desc-act", "fp8-block", "compressed-tensors-w8a8"):
         server = Server(str(checkpoints[name][0]))
         try:
             out = server.client().chat.completions.create(
