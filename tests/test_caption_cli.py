@@ -194,11 +194,25 @@ def test_ray_interrupted_and_resumed_gives_the_rows_of_one_machine(qwen25_path, 
     assert re.search(r"workers 2, encoder cache hits \d+, prefix-cached tokens \d+", stderr)
 
 
+@pytest.mark.parametrize("ray", [False, True])
+def test_a_wrong_model_is_one_line_and_the_earlier_output_stays(folder, tmp_path, ray):
+    """Checked before anything starts: no engine, no Ray workers (whose failure was a page
+    of their tracebacks), and the output of an earlier run untouched."""
+    out = tmp_path / "captions.jsonl"
+    out.write_text('{"path": "earlier.png", "caption": "kept"}\n')
+    result = caption(str(tmp_path / "no-such-model"), str(folder), "--out", str(out), *(["--ray"] if ray else []))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"vlmserve: --model {tmp_path / 'no-such-model'}: no such folder, "
+                                                  "and not a hub id (org/name)"]
+    assert out.read_text() == '{"path": "earlier.png", "caption": "kept"}\n'
+
+
 def test_files_are_captioned_in_one_continuous_batch(qwen25_path, folder):
     """Not one file at a time: many requests share each engine step."""
     from vlmserve.engine.args import EngineArgs
     from vlmserve.engine.llm_engine import LLMEngine
-    from vlmserve.entrypoints.caption import Captioner, expand_inputs
+    from vlmserve.entrypoints.caption_rows import expand_inputs
+    from vlmserve.entrypoints.captioner import Captioner
 
     engine = LLMEngine(EngineArgs(model=qwen25_path, num_kv_blocks=512))
     captioner = Captioner(engine, "Describe the image.", "Describe the image.",

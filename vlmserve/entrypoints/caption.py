@@ -20,9 +20,7 @@ from typing import TextIO
 
 from vlmserve.entrypoints.caption_rows import (CaptionJob, Row, Summary, captioned_originals, expand_inputs,
                                               merge_shards, previous_rows, shard_dir, write_row)
-from vlmserve.entrypoints.captioner import Captioner
 from vlmserve.errors import ConfigError
-from vlmserve.lora.adapter import LoRAError, configured_rank
 from vlmserve.lora.request import LoRARequest
 from vlmserve.pooling_params import PoolingParams
 
@@ -64,13 +62,18 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
 def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling: PoolingParams | None = None) -> int:
     """Captions the files (with `pooling`, embeds them: `vlmserve embed`) into args.out."""
     from vlmserve.engine.args import EngineArgs
+    from vlmserve.engine.model_source import resolve_model_path
+    from vlmserve.lora.adapter import LoRAError  # imports torch: not at the module's import (`vlmserve --help`)
 
+    engine_args = EngineArgs.from_namespace(args)
+    # a wrong --model is one line at once: before the output is touched or Ray's workers start
+    resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
     job = _prepare(args)
     job.pooling = pooling
     job.summary.verb = "embedded" if pooling else "captioned"
     run = _caption_on_ray if args.ray else _caption_here
     try:
-        start, interrupted = run(args, job, EngineArgs.from_namespace(args), on_row)
+        start, interrupted = run(args, job, engine_args, on_row)
     except LoRAError as e:
         raise ConfigError(f"--lora: {e}") from None
     job.summary.seconds = time.time() - start
@@ -82,6 +85,7 @@ def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling
 
 
 def _prepare(args: argparse.Namespace) -> CaptionJob:
+    from vlmserve.lora.adapter import configured_rank
     from vlmserve.sampling_params import SamplingParams
 
     paths = expand_inputs(args.inputs) + args.text_items
@@ -133,7 +137,9 @@ def _caption_on_ray(args: argparse.Namespace, job: CaptionJob, engine_args, on_r
 def _caption_here(args: argparse.Namespace, job: CaptionJob, engine_args, on_row: RowHook | None
                   ) -> tuple[float, bool]:
     """Returns when the captioning started (the model loaded) and whether Ctrl-C cut it short."""
+    # the engine's imports (torch, transformers: seconds) only where an engine runs
     from vlmserve.engine.llm_engine import LLMEngine
+    from vlmserve.entrypoints.captioner import Captioner
 
     engine = LLMEngine(engine_args)
     captioner = Captioner(engine, job.prompt, job.video_prompt, job.params, job.settings, args.batch_size, job.lora,
