@@ -504,9 +504,11 @@ def test_served_with_speculation_on_the_shipped_model(method):
     url = "data:image/jpeg;base64," + base64.b64encode(sample.read_bytes()).decode()
     ask = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                        {"type": "text", "text": "Describe the image."}]}
-    plain = LLM(dtype="float32").chat([ask], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    llm = LLM(dtype="float32")
+    plain = llm.chat([ask], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
     chat = [ask, {"role": "assistant", "content": plain}, ask]
-    want = LLM(dtype="float32").chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    want = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    del llm
     settings = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
                 "draft_model": {"model": str(SHIPPED_MODEL), "num_speculative_tokens": 3}}[method]
     server = Server(None, "--api-key", KEY, "--dtype", "float32", "--speculative-config", json.dumps(settings))
