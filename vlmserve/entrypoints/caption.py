@@ -65,15 +65,14 @@ def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling
     from vlmserve.engine.model_source import resolve_model_path
     from vlmserve.lora.adapter import LoRAError  # imports torch: not at the module's import (`vlmserve --help`)
 
-    engine_args = EngineArgs.from_namespace(args)
     # a wrong --model is one line at once: before the output is touched or Ray's workers start
-    resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
-    job = _prepare(args)
+    resolve_model_path(args.model, args.revision, args.download_dir)
+    job = _prepare(args)  # (--lora turns on the engine's LoRA flags)
     job.pooling = pooling
     job.summary.verb = "embedded" if pooling else "captioned"
     run = _caption_on_ray if args.ray else _caption_here
     try:
-        start, interrupted = run(args, job, engine_args, on_row)
+        start, interrupted = run(args, job, EngineArgs.from_namespace(args), on_row)
     except LoRAError as e:
         raise ConfigError(f"--lora: {e}") from None
     job.summary.seconds = time.time() - start
