@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,7 @@ class CaptionActor:
 
 
 def run_on_ray(address: str, workers: int, job: CaptionJob, engine_args: EngineArgs, concurrency: int,
-               out: Path) -> Iterator[Row]:
+               out: Path) -> Generator[Row, None, None]:
     """Yields every row once it is written to a shard (for the progress bar and the summary)."""
     import ray
 
