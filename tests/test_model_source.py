@@ -112,3 +112,31 @@ def test_the_server_serves_a_hub_id_with_its_defaults(hub_home, monkeypatch):
         assert longer.usage.completion_tokens == 9  # a field the request sets is its own
     finally:
         server.stop()
+
+
+def test_every_engine_command_checks_its_model_and_settings_before_importing_the_engine(tmp_path):
+    """A wrong --model or setting is one line at once: found before torch (seconds of
+    imports) is, and before caption's earlier output is touched."""
+    (tmp_path / "out.jsonl").write_text('{"path": "kept"}\n')
+    script = f"""
+import contextlib, io, sys
+from vlmserve.entrypoints.cli import main
+for argv in (["serve", "--model", "/no/such/model"], ["ui", "--model", "/no/such/model"],
+             ["caption", "{tmp_path}", "--out", "{tmp_path / 'out.jsonl'}", "--model", "/no/such/model"],
+             ["embed", "{tmp_path}", "--out", "{tmp_path / 'out.npy'}", "--model", "/no/such/model"],
+             ["serve", "--speculative-config", '{{"num_speculative_tokens": 0}}'],
+             ["serve", "--max-loras", "0"], ["serve", "--generation-config", "mine"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    print(code, err.getvalue().strip().count(chr(10)), err.getvalue().strip())
+print("torch imported:", "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 8, done.stdout + done.stderr
+    for line, says in zip(lines, ["no such folder"] * 4 + ["num_speculative_tokens must be a positive integer",
+                                                           "--max-loras 0", "--generation-config mine"]):
+        assert line.startswith("2 0 vlmserve: ") and says in line, line
+    assert lines[-1] == "torch imported: False"
+    assert (tmp_path / "out.jsonl").read_text() == '{"path": "kept"}\n'

@@ -133,9 +133,14 @@ class EngineArgs:
             raise ConfigError(f"--quantization {self.quantization}: the checkpoint is already quantized "
                               f"({published.method}, {published.bits}-bit)")
 
-    def check_lora(self) -> None:
+    def check_settings(self) -> None:
+        """The settings that need nothing loaded (not even torch): LoRA's sizes, the
+        speculative decoding settings, the sampling defaults' source."""
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ConfigError(f"--max-loras {self.max_loras} and --max-lora-rank {self.max_lora_rank} must be positive")
+        self.speculative()
+        if self.generation_config not in ("auto", "vlmserve"):
+            raise ConfigError(f"--generation-config {self.generation_config}: auto or vlmserve")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

@@ -15,7 +15,6 @@ from transformers import AutoConfig
 
 from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.engine.args import EngineArgs
-from vlmserve.errors import ConfigError
 from vlmserve.engine.chat import render_chat
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
@@ -59,12 +58,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.perf_counter()
         args.check_device()
-        args.check_lora()
-        args.speculative()  # its settings are checked before anything is loaded
+        args.check_settings()  # before anything is loaded
         self.args = args
         self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
-        if args.generation_config not in ("auto", "vlmserve"):
-            raise ConfigError(f"--generation-config {args.generation_config}: auto or vlmserve")
         self.sampling_defaults = sampling_defaults(self.model_path) if args.generation_config == "auto" else {}
         if self.sampling_defaults:
             logger.info("sampling defaults from the checkpoint's generation_config.json: %s "

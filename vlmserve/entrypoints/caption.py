@@ -62,11 +62,9 @@ def add_caption_args(p: argparse.ArgumentParser) -> None:
 def run_caption(args: argparse.Namespace, on_row: RowHook | None = None, pooling: PoolingParams | None = None) -> int:
     """Captions the files (with `pooling`, embeds them: `vlmserve embed`) into args.out."""
     from vlmserve.engine.args import EngineArgs
-    from vlmserve.engine.model_source import resolve_model_path
     from vlmserve.lora.adapter import LoRAError  # imports torch: not at the module's import (`vlmserve --help`)
 
-    # a wrong --model is one line at once: before the output is touched or Ray's workers start
-    resolve_model_path(args.model, args.revision, args.download_dir)
+    # (the settings and --model were checked by the command, before the output is touched)
     job = _prepare(args)  # (--lora turns on the engine's LoRA flags)
     job.pooling = pooling
     job.summary.verb = "embedded" if pooling else "captioned"

@@ -213,7 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def check_engine_settings(args: argparse.Namespace) -> None:
+    """The engine's settings and its model, checked before the engine's modules are
+    imported (seconds of torch and transformers): a wrong one is one line at once. The
+    engine checks them again where it loads (on Ray, another host)."""
+    from vlmserve.engine.model_source import resolve_model_path
+
+    EngineArgs.from_namespace(args).check_settings()
+    resolve_model_path(args.model, args.revision, args.download_dir)
+
+
 def run_command(args: argparse.Namespace) -> int:
+    if args.command in ("serve", "caption", "embed") or (args.command == "ui" and not args.api_base):
+        check_engine_settings(args)
     if args.command == "serve":
         from vlmserve.entrypoints.openai.api_server import run_server
 
