@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.cpu_extension import cpu_kernels
-from vlmserve.kernels.huge_pages import empty_on_huge_pages
+from vlmserve.kernels.huge_pages import zeros_on_huge_pages
 from vlmserve.kernels.registry import register
 
 # Up to this many rows the bf16 GEMV on the plain weight beats oneDNN's packed copy (1-3
@@ -69,21 +69,22 @@ WIDENING_GEMV_MAX_ROWS = 64
 WIDEN_BLOCK = 1 << 23  # weights widened to fp32 per matmul (32 MB: one buffer, reused)
 
 
-@register("empty_streamed")
-def empty_streamed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Memory that decode steps stream through (uninitialised): a weight every step reads
-    whole, a KV cache whose blocks each step's attention reads."""
-    return torch.empty(shape, dtype=dtype, device=device)
+@register("zeros_streamed")
+def zeros_streamed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Memory that decode steps stream through, zero-filled: a weight every step reads
+    whole, a KV cache whose blocks each step's attention reads (masked positions included:
+    they must hold finite numbers, 0 * NaN is NaN)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
-@register("empty_streamed", "cpu")
-def empty_streamed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+@register("zeros_streamed", "cpu")
+def zeros_streamed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """On 2 MB pages: the bf16 GEMV streams a layer's matrices and the output head 11-20%
     faster from them (Qwen2.5-VL-3B widths, 2 threads, AMD EPYC: 60 -> 68-72 GB/s); a
     batch's attention reads its KV blocks (4 KB each a head) 10-20% faster, and the matmuls
     between keep their TLB entries (32 chats at 3B widths, an AMX Xeon: 5-15% less
-    time a decode step)."""
-    return empty_on_huge_pages(shape, dtype)
+    time a decode step). Zero-filled by the kernel as each page is first touched."""
+    return zeros_on_huge_pages(shape, dtype)
 
 
 @register("pack_linear_weight")
@@ -99,7 +100,7 @@ def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     bf16 where bf16 layers run widened (none)."""
     if _pairs_fit(weight):
         n, k = weight.shape
-        packed = empty_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
+        packed = zeros_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
         cpu_kernels().bf16_pair_pack(weight.detach(), packed)
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from vlmserve.kernels import cpu_extension
 from vlmserve.kernels.cpu_extension import cpu_kernels
-from vlmserve.kernels.huge_pages import empty_on_huge_pages
+from vlmserve.kernels.huge_pages import zeros_on_huge_pages
 from vlmserve.kernels.linear import GEMV_MAX_ROWS, linear_cpu, reusable_buffer
 from vlmserve.kernels.registry import register
 
@@ -191,7 +191,7 @@ def gemv_layout_fits(qw: QuantizedWeight) -> bool:
 def gemv_layout(qw: QuantizedWeight) -> QuantizedWeight:
     """A plain int8 or int4 weight (rows a multiple of 16; int4 in groups of 128) in
     vlmserve's CPU kernels' tiled layout, on huge pages (the GEMVs stream it every step)."""
-    tiled = empty_on_huge_pages(qw.data.shape, torch.uint8)
+    tiled = zeros_on_huge_pages(qw.data.shape, torch.uint8)
     if qw.method == "int8":
         rows = qw.data.view(torch.uint8).view(qw.shape[0] // GEMV_TILE, GEMV_TILE, -1, 32, 4)  # [tile, r, group, v, byte]
         tiled.view(rows.shape[0], rows.shape[2], 32, GEMV_TILE, 4).copy_(rows.permute(0, 2, 3, 1, 4))

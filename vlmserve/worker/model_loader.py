@@ -122,12 +122,12 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
 def place_streamed_weights(model: nn.Module) -> None:
     """Gives the weights a decode step reads whole — the linear layers', and the embedding
     table, which a tied output head reads — the memory its device's kernels stream fastest
-    (`ops.empty_streamed`: on the CPU, 2 MB pages); before the checkpoint is read, so that
+    (`ops.zeros_streamed`: on the CPU, 2 MB pages); before the checkpoint is read, so that
     it is copied in once. A layer quantized later frees it."""
     for module in model.modules():
         if isinstance(module, (Linear, nn.Embedding)) and module.weight.device.type != "meta":
             weight = module.weight
-            module.weight = nn.Parameter(ops.empty_streamed(tuple(weight.shape), weight.dtype), requires_grad=False)
+            module.weight = nn.Parameter(ops.zeros_streamed(tuple(weight.shape), weight.dtype), requires_grad=False)
 
 
 def quantization_targets(model: nn.Module, method: str, with_head: bool = True) -> dict[Linear, str]:

@@ -103,10 +103,9 @@ class ModelRunner:
         k_shape, v_shape = kv_cache_shapes(self.kv_cache_config.num_blocks, block_size, heads, head_size)
         slots = []
         for _ in range(self.kv_cache_config.num_tensor_slots):
-            # zeroed: attention reads whole blocks, masked past each sequence's end, and a
-            # masked position must still hold a finite number (0 * NaN is NaN)
-            slots.append(tuple(self.kernels.empty_streamed(shape, dtype, self.device).zero_()
-                               for shape in (k_shape, v_shape)))
+            # zero-filled (attention reads whole blocks, masked past each sequence's end); on
+            # the CPU by the kernel as each page is first used, not all at start
+            slots.append(tuple(self.kernels.zeros_streamed(shape, dtype, self.device) for shape in (k_shape, v_shape)))
         slot_of = self.kv_cache_config.tensor_slot_of_layer()
         for g in self.groups:
             if isinstance(g.spec, AttentionSpec):
