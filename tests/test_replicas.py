@@ -61,22 +61,25 @@ def wait_for(condition, timeout: float = 30.0, what: str = "") -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def ray_driver(script: str, timeout: float = 120) -> str:
+def ray_driver(server: Server, script: str, timeout: float = 120) -> str:
     """Runs script as a Ray driver of the server's cluster in a process of its own, and
     returns what it prints. Not in pytest's process: a Ray 2.60 driver keeps its metrics
     exporter thread after ray.shutdown(), and that thread logging while the process exits
-    crashed pytest (SIGSEGV, after every test had passed)."""
+    crashed pytest (SIGSEGV, after every test had passed). The cluster is the one the
+    server's log names ("auto" would be the latest one started on this machine)."""
+    address = re.search(r"replicas on the Ray cluster at (\S+)", "".join(server.log)).group(1)
     program = textwrap.dedent("""
         import os, sys, time
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # as the server's local cluster has it (its token in ~/.ray)
         import ray
-        ray.init(address="auto", log_to_driver=False)
+        ray.init(address={address!r}, log_to_driver=False)
         try:
         {body}
         finally:
             ray.shutdown()
         sys.stdout.flush()
         os._exit(0)  # past Ray's exit-time crash above
-    """).format(body=textwrap.indent(textwrap.dedent(script), "    "))
+    """).format(address=address, body=textwrap.indent(textwrap.dedent(script), "    "))
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -204,7 +207,7 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
     chunks = iter(stream)
     request_id = next(chunks).id  # the engine's request id
     wait_for(lambda: running() == 1, what="a report of the request running")
-    ray_driver(f"ray.get(ray.get_actor({HUB!r}, namespace={APP!r}).give_up.remote({request_id!r}))")
+    ray_driver(server, f"ray.get(ray.get_actor({HUB!r}, namespace={APP!r}).give_up.remote({request_id!r}))")
     with pytest.raises(openai.APIError, match="ended the request without an answer"):
         for _ in chunks:
             pass
@@ -226,7 +229,7 @@ def test_a_replica_killed_mid_stream(server):
     next(chunks)
     wait_for(lambda: any(running().values()), what="a report")  # the only request: ours
     busy = next(r for r, v in running().items() if v > 0)
-    ray_driver(f"""
+    ray_driver(server, f"""
         names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + {busy!r})]
         ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]))
     """)
@@ -237,7 +240,7 @@ def test_a_replica_killed_mid_stream(server):
     assert time.time() - started < 30
     assert client.chat.completions.create(model="tiny", max_tokens=3,
                                           messages=[{"role": "user", "content": "hello"}]).usage.completion_tokens
-    replicas = ray_driver("""
+    replicas = ray_driver(server, """
         deadline = time.time() + 90
         while time.time() < deadline:
             count = sum("SERVE_REPLICA" in a["name"] for a in ray.util.list_named_actors(all_namespaces=True))

@@ -367,6 +367,8 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
         ray.init(address=args.ray_address, namespace=APP, log_to_driver=False, include_dashboard=False)
         for sig, handler in handlers.items():  # Ray's would exit at once; the server drains first
             signal.signal(sig, handler)
+    # where to look (`ray status --address ...`), and what a driver of this cluster joins
+    logger.info("replicas on the Ray cluster at %s", ray.get_runtime_context().gcs_address)
     serve.start(http_options={"location": "NoServer"})  # HTTP is this process's own server
     hub = ReplicaHub.options(name=HUB, namespace=APP, get_if_exists=True).remote()
     deployment = serve.deployment(EngineReplica, name="engine").options(**replica_options(args))
