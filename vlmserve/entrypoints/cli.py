@@ -225,8 +225,12 @@ def check_engine_settings(args: argparse.Namespace) -> None:
     resolve_model_path(args.model, args.revision, args.download_dir)
 
 
+def builds_engine(args: argparse.Namespace) -> bool:
+    return args.command in ("serve", "caption", "embed") or (args.command == "ui" and not args.api_base)
+
+
 def run_command(args: argparse.Namespace) -> int:
-    if args.command in ("serve", "caption", "embed") or (args.command == "ui" and not args.api_base):
+    if builds_engine(args):
         check_engine_settings(args)
     # The imports (torch, transformers: a million objects that live as long as the process)
     # with the cyclic GC off: its full collections would walk them again and again (1.1 s of
@@ -242,9 +246,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def import_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int | None]:
     """The command's function, with the modules it runs on imported."""
-    builds_engine = args.command in ("serve", "caption", "embed", "ui")
-    if builds_engine and not getattr(args, "api_base", None) and not getattr(args, "ray", False):
-        importlib.import_module("vlmserve.engine.llm_engine")  # (which the command imports when it builds one)
+    if builds_engine(args) and not getattr(args, "ray", None):  # (on Ray, the workers build the engines)
+        importlib.import_module("vlmserve.engine.llm_engine")  # which the command imports when it builds one
     if args.command == "serve":
         from vlmserve.entrypoints.openai.api_server import run_server
 
