@@ -654,3 +654,16 @@ def test_argmax_rows_equals_torchs_argmax(dtype):
         got = sampling.argmax_rows_cpu(logits)
         assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1)), logits.shape
     assert sampling.argmax_rows_cpu(special).tolist() == [0, 37, 50, 99, 3, 7]
+
+
+@pytest.mark.parametrize("nbytes", [4096, 24 << 20])  # a plain tensor; a mapping of its own, on 2 MB pages
+def test_streamed_memory_is_zero_filled_without_being_written(nbytes):
+    """The KV cache is not cleared at start: attention reads whole blocks, masked past each
+    sequence's end, and a masked position must hold a finite number (0 * NaN is NaN)."""
+    from vlmserve.kernels.huge_pages import zeros_on_huge_pages
+
+    for dtype in (torch.bfloat16, torch.float32):
+        t = zeros_on_huge_pages((nbytes // dtype.itemsize,), dtype)
+        assert t.is_contiguous() and not t.any()
+        t.fill_(float("nan"))  # memory handed back and taken again is cleared again
+        del t
