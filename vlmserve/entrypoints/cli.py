@@ -268,5 +268,6 @@ def import_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], i
 
     return run_eval
 
+
 if __name__ == "__main__":
     sys.exit(main())
