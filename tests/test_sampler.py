@@ -114,3 +114,53 @@ def test_greedy_reads_bf16_logits_as_they_are_and_picks_the_fp32_token():
             banned = batch(5, temperature=0, banned=[[], [], [10], [], []])
             assert sample(logits, banned)[0] == want[:2] + [700] + want[3:]
     assert logits.dtype == torch.bfloat16 and logits[2, 10] == 9.0  # the caller's logits untouched
+
+
+def test_every_way_a_truncating_row_is_served_draws_from_its_whole_distribution():
+    """A row that truncates (top-k, top-p, min_p) is served by the first tier of candidates,
+    the second or its whole sorted row, by how many tokens it keeps; each way draws from the
+    distribution of the whole row. With uniforms on a grid of n points, each token comes up
+    within one draw of n times its probability, and a token the row drops never does."""
+    from vlmserve.worker.sampler import CANDIDATE_TIERS, _truncated_probs, draw_tokens
+
+    vocab, n = 6000, 2000
+    assert CANDIDATE_TIERS[-1] < vocab
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(vocab, generator=g)
+    peaked[torch.randperm(vocab, generator=g)[:8]] += 12.0
+    medium = torch.randn(vocab, generator=g)
+    flat = torch.randn(vocab, generator=g) * 0.1
+    masked = peaked.clone()
+    masked[peaked.topk(3).indices[1:]] = float("-inf")  # a grammar's mask over likely tokens
+    masked[torch.randperm(vocab, generator=g)[:2000]] = float("-inf")
+    # min_p keeps every first-tier candidate (the 4 at 10, the 300 at 0) and drops the rest,
+    # so top-p's distribution is not the whole row's: its cut comes after 124 of the 0s
+    tiered = torch.tensor([10.0] * 4 + [0.0] * 300 + [-3.0] * 2000 + [-6.0] * (vocab - 2304))
+    tiered = tiered[torch.randperm(vocab, generator=g)]
+    medium_masked = medium.clone()
+    medium_masked[0] = float("-inf")  # the first token, where a uniform of 0 lands unless it is skipped
+    first, second = CANDIDATE_TIERS
+    cases = [  # logits, settings, the range the number of kept tokens must fall in
+        (peaked, {"top_k": 20, "top_p": 0.8}, (1, first)),
+        (peaked, {"top_p": 0.99}, (1, first)),
+        (peaked, {"min_p": 1e-4}, (1, first)),
+        (masked, {"top_p": 0.95, "min_p": 0.01}, (1, first)),
+        (medium, {"top_p": 0.5}, (first + 1, second)),
+        (medium, {"top_k": 300}, (first + 1, second)),
+        (medium, {"top_k": 5000, "top_p": 0.99}, (second + 1, vocab)),
+        (flat, {"top_p": 0.9}, (second + 1, vocab)),
+        (flat, {"min_p": 0.5}, (second + 1, vocab)),
+        (tiered, {"min_p": 4e-5, "top_p": 0.998}, (128, 128)),
+        (medium_masked, {}, (vocab - 1, vocab - 1)),  # temperature alone
+    ]
+    uniform = torch.arange(n) / n
+    for logits, settings, (low, high) in cases:
+        top_k, top_p, min_p = (torch.full((n,), settings.get(name, default), dtype=dtype)
+                               for name, default, dtype in (("top_k", 0, torch.long), ("top_p", 1.0, torch.float32),
+                                                            ("min_p", 0.0, torch.float32)))
+        want = _truncated_probs(logits[None], top_k[:1], top_p[:1], min_p[:1])[0]
+        assert low <= int((want > 0).sum()) <= high, settings
+        tokens = draw_tokens(logits.repeat(n, 1), top_k, top_p, min_p, uniform)
+        freq = torch.bincount(tokens, minlength=vocab).double() / n
+        assert freq[want == 0].sum() == 0, settings
+        assert (freq - want.double()).abs().max() <= 1.0 / n + 1e-5, settings

@@ -216,7 +216,7 @@ def test_bans_bias_and_penalties_equal_the_reference():
     history = torch.zeros(rows, width, dtype=torch.long)
     for r, (p, o) in enumerate(zip(prompts, outputs)):
         history[r, : len(p) + len(o)] = torch.tensor(p + o)
-    counts, in_prompt = token_histories(history, torch.tensor([len(p) for p in prompts]),
+    seen, generated = token_histories(history, torch.tensor([len(p) for p in prompts]),
                                         torch.tensor([len(p) + len(o) for p, o in zip(prompts, outputs)]), vocab)
     b_rows = [r for r in range(rows) for _ in banned[r]]
     l_rows = [r for r in range(rows) for _ in bias[r]]
@@ -226,7 +226,7 @@ def test_bans_bias_and_penalties_equal_the_reference():
         banned=(torch.tensor(b_rows), torch.tensor([t for r in range(rows) for t in banned[r]])),
         logit_bias=(torch.tensor(l_rows), torch.tensor([t for r in range(rows) for t in bias[r]]),
                     torch.tensor([v for r in range(rows) for v in bias[r].values()])),
-        penalties=Penalties(torch.tensor(rep), torch.tensor(freq), torch.tensor(pres), counts, in_prompt),
+        penalties=Penalties(torch.tensor(rep), torch.tensor(freq), torch.tensor(pres), seen, generated),
     )
     got = apply_logit_rules(logits.clone(), batch)
     want = reference_rules(logits, prompts, outputs, rep, freq, pres, bias, banned)
