@@ -40,7 +40,8 @@ Each engine runs in a worker process of its own (benchmarks/peer_workers/), so s
 CPU time and memory are its own; the driver only writes the workload (prompts rendered by
 the checkpoint's chat template, pictures as PNG files) and talks JSON lines with them.
 Every engine gets the same prompt texts and decoded pictures, decodes greedily with EOS
-ignored and every run starts from cold caches (prefix, encoder, processor). Printed per
+ignored (or samples with the settings `--sampling` names, as a chat user's request
+would) and every run starts from cold caches (prefix, encoder, processor). Printed per
 engine: output tok/s (output tokens over the wall time of the whole workload), time to
 first token (from the workload's start, median and p90 over requests), each run's
 seconds, start seconds (construction, imports excluded), user and system CPU seconds of
@@ -214,6 +215,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=None, help="requests of the mixed (256) or batch (32) workload")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="cap every request's answer at this many tokens (a quicker run over fewer decode steps)")
+    ap.add_argument("--sampling", default="",
+                    help="sample instead of greedy decoding, every engine with these settings, e.g. Qwen2.5's "
+                         "generation_config: temperature=0.7,top_p=0.8,top_k=20,repetition_penalty=1.05 (names: "
+                         + ", ".join(SAMPLING_SETTINGS) + ")")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating (the median counts)")
     ap.add_argument("--hf-batch", default="8,16,32", help="batch sizes tried for transformers; its best counts")
     ap.add_argument("--engines", default="vlmserve,transformers,vllm",
@@ -257,6 +262,12 @@ def parse_args() -> argparse.Namespace:
     if unknown := set(args.llama_cpp_types) - set(LLAMA_CPP_TYPES):
         ap.error(f"unknown --llama-cpp-types: {sorted(unknown)}")
     args.hf_batch = [int(b) for b in args.hf_batch.split(",")]
+    try:
+        args.sampling = parse_sampling(args.sampling)
+    except ValueError as e:
+        ap.error(f"--sampling: {e}")
+    if args.sampling and "llama.cpp" in args.engines:
+        ap.error("--sampling is not combined with llama.cpp (its workers decode greedily)")
     if unknown := set(args.engines) - set(ENGINES):
         ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     if "vlmserve" not in args.engines:
@@ -317,6 +328,20 @@ def prompt_tokens(processor, request: dict[str, Any]) -> int:
     return int(processor(text=[request["prompt"]], images=images or None, return_tensors="pt")["input_ids"].shape[1])
 
 
+SAMPLING_SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def parse_sampling(text: str) -> dict[str, float | int]:
+    """`name=value,...` -> the sampling settings every engine is given ({}: greedy)."""
+    settings = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in SAMPLING_SETTINGS:
+            raise ValueError(f"unknown setting {name!r}; choose from {', '.join(SAMPLING_SETTINGS)}")
+        settings[name] = SAMPLING_SETTINGS[name](value)
+    return settings
+
+
 def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[dict[str, Any]],
                  sequential: bool) -> tuple[list[Engine], list[str]]:
     """The engines to run (vlmserve first) and notes on those skipped. sequential: the
@@ -326,7 +351,7 @@ def plan_engines(args: argparse.Namespace, model: str, folder: Path, spec: list[
     longest = max(r["prompt_tokens"] + r["max_tokens"] for r in spec)
     common = ["--workload", str(folder / "workload.json"), "--model", model, "--dtype", args.dtype,
               "--device", args.device, "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
-              "--max-images", str(max(2, max(len(r["images"]) for r in spec)))]
+              "--max-images", str(max(2, max(len(r["images"]) for r in spec))), "--sampling", json.dumps(args.sampling)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     engines, notes = [], []
     if "vlmserve" in args.engines:
@@ -507,11 +532,13 @@ def report(args: argparse.Namespace, model: str, spec: list[dict], engines: list
               f"{system / user if user else 0:>10.3f}{e.median('cached_tokens'):>12.0f}"
               f"{max(r.get('peak_rss_gb', 0) for r in e.runs):>8.2f}GB  {ratio}")
     print()
-    if len(engines) > 1:
+    if args.sampling:
+        print("sampled with " + ", ".join(f"{k}={v}" for k, v in args.sampling.items()) + ": tokens not compared")
+    elif len(engines) > 1:
         print("agreement with vlmserve's greedy tokens (last run, share of requests):")
-    for e in engines[1:]:
-        all8, first = agreement(base.runs[-1]["first_tokens"], e.runs[-1]["first_tokens"])
-        print(f"  {e.name:<26} first 8 tokens {all8:6.1%}   first token {first:6.1%}")
+        for e in engines[1:]:
+            all8, first = agreement(base.runs[-1]["first_tokens"], e.runs[-1]["first_tokens"])
+            print(f"  {e.name:<26} first 8 tokens {all8:6.1%}   first token {first:6.1%}")
     for e in engines:
         if not all(r["exact_lengths"] for r in e.runs):
             print(f"WARNING: {e.name} did not give every request exactly its max_tokens output tokens")

@@ -53,6 +53,8 @@ def worker_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-images", type=int, default=2, help="pictures per prompt at most")
+    ap.add_argument("--sampling", type=json.loads, default={},
+                    help="JSON: the sampling settings of every request ({}: greedy)")
     return ap
 
 

@@ -48,7 +48,8 @@ def main() -> None:
 
     def run(message: dict) -> dict[str, Any]:
         prompts = [{"prompt": r.prompt, "multi_modal_data": {"image": r.images}} for r in requests]
-        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        params = [SamplingParams(**{"temperature": 0, **args.sampling}, max_tokens=r.max_tokens, ignore_eos=True)
+                  for r in requests]
         run_start = time.time()
         if message.get("sequential"):
             outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
