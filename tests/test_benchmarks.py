@@ -33,9 +33,11 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     # each engine started for its own run (the published-widths runs keep them all started), sampling as Qwen2.5's
     # generation_config does
     "bench_peers.py": (["--requests", "4", "--repeats", "1", "--hf-batch", "4", "--engines", "vlmserve,transformers",
-                        "--one-at-a-time", "--sampling", "temperature=0.7,top_p=0.8,top_k=20,repetition_penalty=1.05"],
-                       r"each engine started for its run, alone in memory[\s\S]*sampled with temperature=0.7, top_p=0.8, "
-                       r"top_k=20, repetition_penalty=1.05: tokens not compared[\s\S]*vlmserve / transformers: [0-9.]+x"),
+                        "--one-at-a-time",
+                        "--sampling", "temperature=0.7,top_p=0.8,top_k=20,repetition_penalty=1.05"],
+                       r"each engine started for its run, alone in memory[\s\S]*sampled with temperature=0.7, "
+                       r"top_p=0.8, top_k=20, repetition_penalty=1.05: tokens not compared[\s\S]*"
+                       r"vlmserve / transformers: [0-9.]+x"),
     # published widths, cut to one layer: the checkpoint builder, the one-user workload and the roofline report
     # (the peers' rows are bench_peers.py's above)
     "bench_peers.py:scale": (["--scale", "qwen2_5_vl_3b", "--layers", "1", "--workload", "one-user", "--max-tokens", "24", "--repeats", "1",

@@ -260,8 +260,8 @@ def draw_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     for count in CANDIDATE_TIERS:
         if pending.numel() == 0 or count >= vocab:
             break
-        drawn, served = _draw_among_candidates(_rows_of(scaled, pending), top_k[pending], top_p[pending], min_p[pending],
-                                               uniform[pending], count)
+        drawn, served = _draw_among_candidates(_rows_of(scaled, pending), top_k[pending], top_p[pending],
+                                               min_p[pending], uniform[pending], count)
         tokens[pending[served]] = drawn[served]
         pending = pending[~served]
     for rows in ((~truncates).nonzero().flatten(), pending):
