@@ -116,12 +116,13 @@ def test_greedy_reads_bf16_logits_as_they_are_and_picks_the_fp32_token():
     assert logits.dtype == torch.bfloat16 and logits[2, 10] == 9.0  # the caller's logits untouched
 
 
-def test_every_way_a_truncating_row_is_served_draws_from_its_whole_distribution():
+def test_every_way_a_truncating_row_is_served_gives_its_whole_distribution():
     """A row that truncates (top-k, top-p, min_p) is served by the first tier of candidates,
-    the second or its whole sorted row, by how many tokens it keeps; each way draws from the
-    distribution of the whole row. With uniforms on a grid of n points, each token comes up
-    within one draw of n times its probability, and a token the row drops never does."""
-    from vlmserve.worker.sampler import CANDIDATE_TIERS, _truncated_probs, draw_tokens
+    the second or its whole sorted row, by how many tokens it keeps; each way gives the
+    distribution of the sorted row (target_probs, which verifies drafts) and draws from it:
+    with uniforms on a grid of n points, each token comes up within one draw of n times its
+    probability, and a token the row drops never does."""
+    from vlmserve.worker.sampler import CANDIDATE_TIERS, _sorted_truncation, draw_tokens, target_probs
 
     vocab, n = 6000, 2000
     assert CANDIDATE_TIERS[-1] < vocab
@@ -133,9 +134,11 @@ def test_every_way_a_truncating_row_is_served_draws_from_its_whole_distribution(
     masked = peaked.clone()
     masked[peaked.topk(3).indices[1:]] = float("-inf")  # a grammar's mask over likely tokens
     masked[torch.randperm(vocab, generator=g)[:2000]] = float("-inf")
-    # min_p keeps every first-tier candidate (the 4 at 10, the 300 at 0) and drops the rest,
-    # so top-p's distribution is not the whole row's: its cut comes after 124 of the 0s
-    tiered = torch.tensor([10.0] * 4 + [0.0] * 300 + [-3.0] * 2000 + [-6.0] * (vocab - 2304))
+    # min_p keeps every first-tier candidate (the 4 near 10, the 300 just under 0) and drops
+    # the rest, so top-p's distribution is not the whole row's (distinct values: which of
+    # tied tokens a cut keeps is arbitrary)
+    tiered = torch.cat([10.0 - torch.arange(4) * 1e-3, -torch.arange(300) * 1e-3, -3.0 - torch.arange(2000) * 1e-6,
+                        -6.0 - torch.arange(vocab - 2304) * 1e-6])
     tiered = tiered[torch.randperm(vocab, generator=g)]
     medium_masked = medium.clone()
     medium_masked[0] = float("-inf")  # the first token, where a uniform of 0 lands unless it is skipped
@@ -150,7 +153,7 @@ def test_every_way_a_truncating_row_is_served_draws_from_its_whole_distribution(
         (medium, {"top_k": 5000, "top_p": 0.99}, (second + 1, vocab)),
         (flat, {"top_p": 0.9}, (second + 1, vocab)),
         (flat, {"min_p": 0.5}, (second + 1, vocab)),
-        (tiered, {"min_p": 4e-5, "top_p": 0.998}, (128, 128)),
+        (tiered, {"min_p": 3.4e-5, "top_p": 0.998}, (83, 83)),
         (medium_masked, {}, (vocab - 1, vocab - 1)),  # temperature alone
     ]
     uniform = torch.arange(n) / n
@@ -158,8 +161,11 @@ def test_every_way_a_truncating_row_is_served_draws_from_its_whole_distribution(
         top_k, top_p, min_p = (torch.full((n,), settings.get(name, default), dtype=dtype)
                                for name, default, dtype in (("top_k", 0, torch.long), ("top_p", 1.0, torch.float32),
                                                             ("min_p", 0.0, torch.float32)))
-        want = _truncated_probs(logits[None], top_k[:1], top_p[:1], min_p[:1])[0]
+        want = _sorted_truncation(logits[None], top_k[:1], top_p[:1], min_p[:1])[0]
         assert low <= int((want > 0).sum()) <= high, settings
+        one_row = SamplingBatch(temperature=torch.ones(1), top_k=top_k[:1], top_p=top_p[:1], min_p=min_p[:1],
+                                generators=[None], num_logprobs=[None])
+        torch.testing.assert_close(target_probs(logits[None], one_row)[0], want, rtol=1e-5, atol=1e-7, msg=str(settings))
         tokens = draw_tokens(logits.repeat(n, 1), top_k, top_p, min_p, uniform)
         freq = torch.bincount(tokens, minlength=vocab).double() / n
         assert freq[want == 0].sum() == 0, settings

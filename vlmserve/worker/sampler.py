@@ -10,6 +10,7 @@ before they sort it whole."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,54 +232,61 @@ def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The distribution each row draws from: temperature, min_p, top-k, top-p (greedy
-    rows get their temperature-1 distribution; they take the argmax instead)."""
+    """The distribution each row draws from, [rows, vocab]: temperature, min_p, top-k,
+    top-p (greedy rows get their temperature-1 distribution; they take the argmax instead)."""
     temperature = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
-    return _truncated_probs(_scaled(logits, temperature), batch.top_k, batch.top_p, batch.min_p)
-
-
-def _truncated_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor) -> torch.Tensor:
-    """Each whole row's distribution after min_p, top-k and top-p."""
-    if bool((min_p > 0).any()):
-        probs = torch.softmax(scaled, dim=-1)
-        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        scaled = scaled.masked_fill(~keep, NEG_INF)
-    return torch.softmax(_apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
+    scaled = _scaled(logits, temperature)
+    probs = torch.zeros_like(scaled)
+    for rows, ids, row_probs in _truncations(scaled, batch.top_k, batch.top_p, batch.min_p):
+        if ids is None:
+            probs[rows] = row_probs
+        else:
+            probs[rows[:, None], ids] = row_probs
+    return probs
 
 
 def draw_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                 uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row of temperature-scaled logits, from the distribution
-    `_truncated_probs` gives, by the inverse of its CDF at the row's uniform in [0, 1).
-    Rows that truncate try the candidate tiers first; a tier serves a row when every token
-    the row keeps is among its candidates."""
-    vocab = scaled.shape[-1]
+    """One token per row of temperature-scaled logits, from its truncated distribution, by
+    the inverse of its CDF at the row's uniform in [0, 1)."""
     tokens = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
+    for rows, ids, probs in _truncations(scaled, top_k, top_p, min_p):
+        drawn = inverse_cdf(probs, uniform[rows])
+        tokens[rows] = drawn if ids is None else ids.gather(-1, drawn[:, None]).squeeze(-1)
+    return tokens
+
+
+def _truncations(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """Each row's distribution after min_p, top-k and top-p, by groups of rows: (rows, token
+    ids, their probabilities) for the rows a tier of candidates holds whole (every token the
+    row keeps is among them), then (rows, None, probabilities over the vocabulary) for the
+    rest: rows that do not truncate, and rows that keep too many tokens for the tiers."""
+    vocab = scaled.shape[-1]
     truncates = ((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0)
     pending = truncates.nonzero().flatten()
     for count in CANDIDATE_TIERS:
         if pending.numel() == 0 or count >= vocab:
             break
-        drawn, served = _draw_among_candidates(_rows_of(scaled, pending), top_k[pending], top_p[pending],
-                                               min_p[pending], uniform[pending], count)
-        tokens[pending[served]] = drawn[served]
+        ids, probs, served = _candidates(_rows_of(scaled, pending), top_k[pending], top_p[pending],
+                                         min_p[pending], count)
+        if bool(served.any()):
+            yield pending[served], ids[served], probs[served]
         pending = pending[~served]
     for rows in ((~truncates).nonzero().flatten(), pending):
         if rows.numel():
-            probs = _truncated_probs(_rows_of(scaled, rows), top_k[rows], top_p[rows], min_p[rows])
-            tokens[rows] = inverse_cdf(probs, uniform[rows])
-    return tokens
+            yield rows, None, _sorted_truncation(_rows_of(scaled, rows), top_k[rows], top_p[rows], min_p[rows])
 
 
-def _draw_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                           uniform: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens drawn among each row's `count` most likely, and which rows they serve. min_p
-    and top-k keep a prefix of the sorted candidates; if it ends inside them, no token past
-    them is kept and top-p's distribution is the prefix's. If it is all of them (no top-k
-    within `count`, min_p keeps them all), top-p's distribution is the whole row's, and the
-    candidates serve only when top-p stops inside them (min_p then must be off)."""
-    values, order = scaled.topk(count, dim=-1)  # sorted, largest first
+def _candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's `count` most likely tokens, their probabilities after min_p, top-k and
+    top-p, and which rows they hold whole. min_p and top-k keep a prefix of the sorted
+    candidates; if it ends inside them, no token past them is kept and top-p's distribution
+    is the prefix's. If it is all of them (no top-k within `count`, min_p keeps them all),
+    top-p's distribution is the whole row's, and the candidates hold the row only when
+    top-p stops inside them (min_p then must be off)."""
+    values, ids = scaled.topk(count, dim=-1)  # sorted, largest first
     ranks = torch.arange(count, device=scaled.device)[None, :]
     keep = values >= values[:, :1] + torch.log(min_p)[:, None]  # p >= min_p * p_max (log 0: keep all)
     keep &= (top_k[:, None] == 0) | (ranks < top_k[:, None])
@@ -291,8 +299,19 @@ def _draw_among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: tor
     cumulative = probs.cumsum(dim=-1)
     # drop a token once the tokens before it already reach top_p (always keep one)
     probs = probs.masked_fill(cumulative - probs >= top_p[:, None], 0.0)
-    served = ~open_ended | ((top_k == 0) & (min_p == 0) & (cumulative[:, -1] >= top_p))
-    return order.gather(-1, inverse_cdf(probs, uniform)[:, None]).squeeze(-1), served
+    probs /= probs.sum(dim=-1, keepdim=True)
+    held = ~open_ended | ((top_k == 0) & (min_p == 0) & (cumulative[:, -1] >= top_p))
+    return ids, probs, held
+
+
+def _sorted_truncation(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor) -> torch.Tensor:
+    """Each whole row's distribution after min_p, top-k and top-p, by a sort of the row."""
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scaled = scaled.masked_fill(~keep, NEG_INF)
+    return torch.softmax(_apply_top_k_top_p(scaled, top_k, top_p), dim=-1)
 
 
 def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
