@@ -34,7 +34,8 @@ def main() -> None:
             return scores
 
     default = load_workload(args.workload)
-    sampling = {k: v for k, v in args.sampling.items() if k != "temperature" or v > 0}
+    do_sample = args.sampling.get("temperature", 0) > 0  # as vlmserve and vLLM: greedy at temperature 0
+    sampling = args.sampling if do_sample else {}
     t = time.perf_counter()
     processor = AutoProcessor.from_pretrained(args.model)
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
@@ -49,7 +50,7 @@ def main() -> None:
         first = FirstToken()
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest,
-                                 do_sample=args.sampling.get("temperature", 0) > 0, **sampling,
+                                 do_sample=do_sample, **sampling,
                                  logits_processor=LogitsProcessorList([first]))
         new = out[:, inputs["input_ids"].shape[1] :]
         return [new[i, : r.max_tokens].tolist() for i, r in enumerate(chunk)], first.time
