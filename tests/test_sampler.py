@@ -170,3 +170,14 @@ def test_every_way_a_truncating_row_is_served_gives_its_whole_distribution():
         freq = torch.bincount(tokens, minlength=vocab).double() / n
         assert freq[want == 0].sum() == 0, settings
         assert (freq - want.double()).abs().max() <= 1.0 / n + 1e-5, settings
+
+
+def test_a_token_id_past_the_logits_is_left_out_of_the_penalties():
+    """Row 0's id 7 is past a 5-token vocabulary: keyed as row * vocab + id it would
+    land on row 1's token 2; it penalizes nothing instead."""
+    from vlmserve.worker.sampler import token_histories
+
+    (seen_rows, seen_ids), (out_rows, out_ids, counts) = token_histories(
+        torch.tensor([[3, 7], [1, 2]]), torch.tensor([1, 1]), torch.tensor([2, 2]), vocab=5)
+    assert list(zip(seen_rows.tolist(), seen_ids.tolist())) == [(0, 3), (1, 1), (1, 2)]
+    assert list(zip(out_rows.tolist(), out_ids.tolist(), counts.tolist())) == [(1, 2, 1.0)]

@@ -194,7 +194,7 @@ def token_histories(token_ids: torch.Tensor, num_prompt: torch.Tensor, num_token
     num_prompt of them the prompt): the (row, token) pairs seen anywhere, each once, and
     those generated with their counts."""
     pos = torch.arange(token_ids.shape[1], device=token_ids.device)[None, :]
-    valid = pos < num_tokens[:, None]
+    valid = (pos < num_tokens[:, None]) & (token_ids < vocab)  # an id past the logits would key another row
     output = valid & (pos >= num_prompt[:, None])
     keys = torch.arange(token_ids.shape[0], device=token_ids.device)[:, None] * vocab + token_ids
     seen = torch.unique(keys[valid])
