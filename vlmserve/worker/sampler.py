@@ -210,8 +210,10 @@ CANDIDATE_TIERS = (256, 4096)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    tokens = ops.argmax_rows(logits)  # the greedy rows' tokens
-    rows = (batch.temperature != 0).nonzero().flatten()
+    greedy = batch.temperature == 0
+    tokens = ops.argmax_rows(logits) if bool(greedy.any()) else torch.empty(
+        logits.shape[0], dtype=torch.long, device=logits.device)
+    rows = (~greedy).nonzero().flatten()
     if rows.numel():
         uniform = uniforms([batch.generators[r] for r in rows.tolist()], logits.device)
         tokens[rows] = draw_tokens(_scaled(_rows_of(logits, rows), batch.temperature[rows]), batch.top_k[rows],
