@@ -159,6 +159,28 @@ def test_mixed_batch_pictures_n_stop_strings_cutoffs_prefix_hits_and_preemption(
     assert_nothing_left(llm)
 
 
+def test_a_token_the_text_leaves_out_is_never_part_of_a_constrained_answer(llm):
+    """`<|im_start|>` and the other special tokens are skipped when the answer is decoded;
+    a grammar that read them as text would let a string of them satisfy `minLength` and
+    leave `"name": ""` in the answer. Pushed up by a logit bias, they are still refused,
+    and the answer validates."""
+    tokenizer = llm.engine.tokenizer
+    skipped = sorted({i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") in skipped
+    bias = {i: 100.0 for i in skipped if i != eos}
+    outs = llm.generate(["Describe a shape as JSON:"] * 2, [
+        SamplingParams(temperature=0, max_tokens=400, logit_bias=bias, structured_outputs=constrained(json=SCHEMA)),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=400, logit_bias=bias, structured_outputs=constrained(json=SCHEMA)),
+    ])
+    for out in outs:
+        answer = out.outputs[0]
+        assert answer.finish_reason == "stop"
+        assert not set(answer.token_ids) & set(bias), answer.token_ids
+        jsonschema.validate(json.loads(answer.text), SCHEMA)
+    assert_nothing_left(llm)
+
+
 def test_hybrid_model_answers_validate(qwen35_path):
     llm = LLM(qwen35_path, num_kv_blocks=128, max_num_seqs=8)
     outs = llm.generate(["a", "b", "c", "d"], SamplingParams(temperature=1.0, max_tokens=400,

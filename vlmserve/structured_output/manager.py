@@ -136,4 +136,18 @@ def tokenizer_info(model_path: str, vocab_size: int) -> xgr.TokenizerInfo:
 
 
 def tokenizer_info_of(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    """xgrammar's view of the tokenizer, where a token the answer's text leaves out (a
+    special one, which the detokenizer skips) has no text: xgrammar never allows such a
+    token, but reads `<|im_start|>` as twelve characters of a JSON string when the
+    tokenizer does not list it among its special tokens, and the answer's text then
+    lost them (`"name": ""` under `minLength: 1`). The end-of-sequence tokens still end
+    the grammar."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    skipped = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    skipped.update(tokenizer.all_special_ids)
+    decoded = info.decoded_vocab
+    for token_id in skipped:
+        if token_id < len(decoded):
+            decoded[token_id] = b""
+    return xgr.TokenizerInfo(decoded, xgr.VocabType.RAW, vocab_size=info.vocab_size,
+                             stop_token_ids=info.stop_token_ids, add_prefix_space=info.add_prefix_space)
