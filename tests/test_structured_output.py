@@ -165,7 +165,7 @@ def test_a_token_the_text_leaves_out_is_never_part_of_a_constrained_answer(llm):
     leave `"name": ""` in the answer. Pushed up by a logit bias, they are still refused,
     and the answer validates."""
     tokenizer = llm.engine.tokenizer
-    skipped = sorted({i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids))
+    skipped = [i for i in range(len(tokenizer)) if tokenizer.decode([i], skip_special_tokens=True) == ""]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.convert_tokens_to_ids("<|im_start|>") in skipped
     bias = {i: 100.0 for i in skipped if i != eos}
