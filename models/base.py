@@ -13,7 +13,7 @@ from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import FusedLinear, Linear, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.layers import FusedLinear, Linear, kept, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -43,15 +43,20 @@ class MRoPEDecoder(nn.Module):
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
         cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
         x, delta = embeds, None  # the hidden state is x + delta (see PreNormDecoderLayer)
-        plan = self.decode_plan() if embeds.shape[0] == 1 and ctx.deepstack is None else None
+        one_token = embeds.shape[0] == 1 and ctx.deepstack is None and ctx.output_rows is None
+        plan = self.decode_plan() if one_token else None
         meta = plan.shared_metadata(ctx.attn_metadata) if plan is not None else None
         if meta is not None:
             return self.norm.add_and_norm(*ops.decode_layers(plan, x, delta, cos, sin, ctx.kv_caches, meta))[1]
-        deep = ctx.deepstack
+        deep, last = ctx.deepstack, len(self.layers) - 1
+        levels = 0 if deep is None else deep.features.shape[1]
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, ctx)
-            if deep is not None and i < deep.features.shape[1]:
+            # the last layer cuts the rows to those read, unless DeepStack adds to all of them after it
+            x, delta = layer(x, delta, cos, sin, ctx, ctx.output_rows if i == last and i >= levels else None)
+            if i < levels:
                 x, delta = (x + delta).index_add(0, deep.token_index, deep.features[:, i]), None
+        if levels > last:
+            x = kept(ctx.output_rows, x)[0]
         return self.norm.add_and_norm(x, delta)[1]
 
     def decode_plan(self) -> DecodePlan | None:

@@ -27,10 +27,14 @@ class ForwardContext:
     attn_metadata[layer]: the metadata of that group (shared by its layers);
     layer_state[layer]: model-specific per-layer step data (e.g. recurrent-state slots);
     deepstack: the pictures' features for the first layers, when the family has them and
-    the step has picture tokens.
+    the step has picture tokens;
+    output_rows: the rows of the step's tokens whose final hidden state is read (sampled or
+    checked drafts), in order; the forward returns those rows only, and runs the last
+    layer's feed-forward on them alone. None: every row.
     """
 
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]
     attn_metadata: dict[int, AttentionMetadata]
     layer_state: dict[int, Any] = field(default_factory=dict)
     deepstack: DeepStackInputs | None = None
+    output_rows: torch.Tensor | None = None

@@ -24,7 +24,7 @@ from vlmserve.kernels import ops
 from vlmserve.models.base import VisionLanguageModel
 from vlmserve.models.context import ForwardContext
 from vlmserve.models.layers import (ACTIVATIONS, FusedLinear, GatedMLP, Linear, QKNormAttention, ZeroCenteredRMSNorm,
-                                    rope_inv_freq)
+                                    kept, rope_inv_freq)
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -140,11 +140,11 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x, delta, cos, sin, ctx: ForwardContext):
-        """(x, delta) in and out, as PreNormDecoderLayer's."""
+    def forward(self, x, delta, cos, sin, ctx: ForwardContext, keep_rows: torch.Tensor | None = None):
+        """(x, delta) in and out, keep_rows as PreNormDecoderLayer's."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
-        attended = self.post_attention_layernorm(self.self_attn(h, cos, sin, ctx))
-        x, h = self.pre_feedforward_layernorm.add_and_norm(x, attended)
+        x, attended = kept(keep_rows, x, self.self_attn(h, cos, sin, ctx))
+        x, h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attended))
         return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
@@ -168,8 +168,9 @@ class TextModel(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             tables[kind] = emb.cos().to(embeds.dtype), emb.sin().to(embeds.dtype)
         x, delta = embeds, None
-        for layer, kind in zip(self.layers, self.layer_types):
-            x, delta = layer(x, delta, *tables[kind], ctx)
+        last = len(self.layers) - 1
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):
+            x, delta = layer(x, delta, *tables[kind], ctx, ctx.output_rows if i == last else None)
         return self.norm.add_and_norm(x, delta)[1]
 
 

@@ -353,8 +353,15 @@ class PreNormDecoderLayer(nn.Module):
         return DecoderLayerWeights(self.input_layernorm.weight, self.post_attention_layernorm.weight, eps, attention,
                                    *mlp)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, ctx
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, ctx,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep_rows (the last layer): the rows that go on past the attention, which
+        every row needs for the cache; the others' feed-forward would be read by nothing."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
-        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, ctx))
+        x, h = self.post_attention_layernorm.add_and_norm(*kept(keep_rows, x, self.self_attn(h, cos, sin, ctx)))
         return x, self.mlp(h)
+
+
+def kept(rows: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The given rows of each tensor (all of them where rows is None)."""
+    return tensors if rows is None else tuple(t[rows] for t in tensors)

@@ -45,6 +45,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; experts, weights [tokens, k]: the weighted sum of each
         token's experts."""
+        if not x.shape[0]:
+            return x.clone()  # no tokens (the last layer of a step whose output nobody reads)
         k = experts.shape[1]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert

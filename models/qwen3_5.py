@@ -23,6 +23,7 @@ from vlmserve.models.layers import (
     Linear,
     QKNormAttention,
     ZeroCenteredRMSNorm,
+    kept,
     mrope_positions,
 )
 from vlmserve.models.moe import feed_forward
@@ -108,11 +109,11 @@ class DecoderLayer(nn.Module):
         """None: its attention (gated, or Gated DeltaNet) runs op by op (see PreNormDecoderLayer)."""
         return None
 
-    def forward(self, x, delta, cos, sin, ctx: ForwardContext):
-        """(x, delta) in and out, as PreNormDecoderLayer's."""
+    def forward(self, x, delta, cos, sin, ctx: ForwardContext, keep_rows: torch.Tensor | None = None):
+        """(x, delta) in and out, keep_rows as PreNormDecoderLayer's."""
         x, h = self.input_layernorm.add_and_norm(x, delta)
         mixed = self.linear_attn(h, ctx) if self.kind == "linear_attention" else self.self_attn(h, cos, sin, ctx)
-        x, h = self.post_attention_layernorm.add_and_norm(x, mixed)
+        x, h = self.post_attention_layernorm.add_and_norm(*kept(keep_rows, x, mixed))
         return x, self.mlp(h)
 
 

@@ -113,6 +113,32 @@ def test_eight_mixed_requests_together(llm, hf_qwen25):
         check(out, hf_qwen25, text, images, n, prompt_logprobs=True)
 
 
+def test_the_last_layer_feeds_forward_only_the_rows_a_step_reads(qwen25_path, hf_qwen25):
+    """Every token needs the last layer's attention (its keys and values go into the
+    cache), only the sampled ones its feed-forward: over batched prompt chunks, the last
+    layer's MLP skips exactly each prompt's tokens but the last; the answers stay
+    transformers'."""
+    llm = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=24)
+    layers = llm.engine.engine_core.runner.model.model.language_model.layers
+    rows = {}
+
+    def count(index):
+        return lambda module, args, out: rows.__setitem__(index, rows.get(index, 0) + args[0].shape[0])
+
+    hooks = [layers[i].mlp.register_forward_hook(count(i)) for i in (0, -1)]
+    specs, prompts, _ = mixed_requests(hf_qwen25)
+    try:
+        outs = run_together(llm, prompts, [greedy(n) for _, _, n in specs])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for out, (text, images, n) in zip(outs, specs):
+        check(out, hf_qwen25, text, images, n)
+    assert rows[-1] > 0
+    assert rows[0] - rows[-1] == sum(o.num_prompt_tokens - o.num_cached_tokens - 1 for o in outs)
+    assert_all_free(llm)
+
+
 def test_chunked_prefill_through_an_image(qwen25_path, hf_qwen25):
     llm = LLM(qwen25_path, num_kv_blocks=256, max_num_batched_tokens=7)
     text, images = CASES["two_images"]

@@ -121,7 +121,8 @@ class DraftModelProposer(Proposer):
             input_ids=step.input_ids[index_t],
             positions=step.positions[:, index_t],
         )
-        embeds, ctx = self.inputs.model_inputs(self.model, self.plan, catch_up, self.encoder_cache)
+        # nothing reads its output: the cache is what it is for
+        embeds, ctx = self.inputs.model_inputs(self.model, self.plan, catch_up, self.encoder_cache, output_rows=[])
         self.inputs.copy_states(so.state_restores, self.plan)
         self.model.forward(embeds, catch_up.positions, ctx)
         self.inputs.copy_states(so.state_saves, self.plan)

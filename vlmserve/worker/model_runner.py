@@ -4,6 +4,7 @@ samples. It makes no scheduling decision: it does what the SchedulerOutput says.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,16 @@ from vlmserve.worker.rejection_sampler import can_verify, verify
 from vlmserve.worker.sampler import build_sampling_batch, logprobs_entry, sample
 from vlmserve.worker.staging import Staging
 from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
+
+
+@dataclass
+class SamplingPositions:
+    """The requests of a step that sample a token, those that check drafts, and where the
+    tokens they read are among the step's (the samplers' first, in order)."""
+
+    sample_idx: list[int]
+    verify_idx: list[int]
+    positions: list[int]
 
 
 class ModelRunner:
@@ -139,9 +150,11 @@ class ModelRunner:
             self._run_encoder(so)
         with timer.phase("runner: inputs"):
             step = self.inputs.prepare(so)
+            read = self._sampling_positions(step)
             graphed = self.cuda_graphs is not None and self.cuda_graphs.fits(step)
+            output_rows = None if graphed else self._output_rows(step, read.positions)
             if not graphed:
-                embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache)
+                embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache, output_rows)
         with timer.phase("runner: forward"):
             self.inputs.copy_states(so.state_restores, self.plan)
             if self.lora:
@@ -155,7 +168,9 @@ class ModelRunner:
             self.inputs.copy_states(so.state_saves, self.plan)
         with timer.phase("runner: sample"):
             pooled = self._pool(step, hidden)
-            sampled, logprobs, prompt_logprobs = self._sample(step, hidden, grammar)
+            # the forward gave only the rows read where output_rows said so
+            read_hidden = None if not read.positions else hidden if output_rows is not None else hidden[read.positions]
+            sampled, logprobs, prompt_logprobs = self._sample(step, read, read_hidden, hidden, grammar)
             kept = self._record(step, sampled)
         drafts = {}
         if self.proposer:
@@ -245,17 +260,19 @@ class ModelRunner:
         self.encoder_runs += len(features)
 
     # -- sampling -------------------------------------------------------------------------
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, grammar: GrammarBitmask | None
+    def _sample(self, step: StepInputs, read: SamplingPositions, read_hidden: torch.Tensor | None,
+                hidden: torch.Tensor, grammar: GrammarBitmask | None
                 ) -> tuple[list[list[int]], dict[str, list[LogprobsEntry]], dict[str, list[LogprobsEntry]]]:
         """The tokens of each request of the step (none for a prompt chunk that ends inside
         the prompt; one, or the kept drafts and one more, for the others), their logprobs,
-        and the prompt logprobs of the requests whose prompt is done."""
-        sample_idx, sample_pos, verify_idx, verify_pos = self._sampling_positions(step)
+        and the prompt logprobs of the requests whose prompt is done. read_hidden: the
+        final hidden states at read.positions; hidden: every row's, when the forward gave
+        them all."""
+        sample_idx, verify_idx = read.sample_idx, read.verify_idx
         prompt_logprobs = self._prompt_logprobs(step, hidden, sample_idx)
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         logprobs: dict[str, list[LogprobsEntry]] = {}
-        positions = sample_pos + verify_pos
-        logits = self.model.compute_logits(hidden[positions]) if positions else None
+        logits = self.model.compute_logits(read_hidden) if read_hidden is not None else None
         if sample_idx:
             rows = [step.rows[i] for i in sample_idx]
             sampling = build_sampling_batch(self.input_batch, rows, logits.shape[-1], grammar, self.eos_token_id,
@@ -269,7 +286,7 @@ class ModelRunner:
             self._verify_drafts(step, logits[len(sample_idx) :], verify_idx, sampled, logprobs)
         return sampled, logprobs, prompt_logprobs
 
-    def _sampling_positions(self, step: StepInputs) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _sampling_positions(self, step: StepInputs) -> SamplingPositions:
         """Which requests sample (their last token does) and which check drafts (their last
         1 + drafts tokens do), with the positions of those tokens in the step."""
         sample_idx, sample_pos, verify_idx, verify_pos = [], [], [], []
@@ -284,7 +301,21 @@ class ModelRunner:
                 sample_idx.append(i)
                 sample_pos.append(token_start + q - 1)
             token_start += q
-        return sample_idx, sample_pos, verify_idx, verify_pos
+        return SamplingPositions(sample_idx, verify_idx, sample_pos + verify_pos)
+
+    def _output_rows(self, step: StepInputs, positions: list[int]) -> list[int] | None:
+        """The rows of the step whose final hidden state is read, where the others can be
+        left out: not when an embedding request pools them or prompt logprobs read them, nor
+        under an adapter (its token mapping covers every row); None: all rows."""
+        if len(positions) == len(step.input_ids):
+            return None
+        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
+            state = self.input_batch.states[row]
+            if state.pooling_params is not None or state.lora_request is not None:
+                return None
+            if state.sampling_params.prompt_logprobs is not None and c < state.num_prompt_tokens - 1:
+                return None
+        return positions
 
     def _pool(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Embedding requests: this step's hidden states of each one's prompt go into its

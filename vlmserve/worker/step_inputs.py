@@ -113,10 +113,14 @@ class StepInputBuilder:
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def model_inputs(self, model: torch.nn.Module, plan: LayerPlan, step: StepInputs,
-                     encoder_cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ForwardContext]:
-        """The input embeddings (pictures merged in) and the forward context of a step."""
+                     encoder_cache: dict[str, torch.Tensor], output_rows: list[int] | None = None
+                     ) -> tuple[torch.Tensor, ForwardContext]:
+        """The input embeddings (pictures merged in) and the forward context of a step
+        whose output_rows are read (None: all; see ForwardContext)."""
         embeds = model.embed_input_ids(step.input_ids)
         ctx = self.forward_context(step, plan)
+        if output_rows is not None:
+            ctx.output_rows = self.staging.upload(f"{plan.name}.output_rows", np.asarray(output_rows, dtype=np.int64))
         mm = self._multimodal_embeddings(step, encoder_cache)
         if mm is not None:
             ctx.deepstack = model.merge_multimodal(embeds, *mm)
