@@ -74,3 +74,15 @@ def test_a_benchmark_runs_and_prints_its_result(name, tmp_path_factory):
             pytest.skip("it times vlmserve's int8/int4 kernels, which need AVX512-VNNI or AVX2")
     out = bench(name.split(":")[0], *args, cache=tmp_path_factory.getbasetemp() / "bench-cache")
     assert re.search(expected, out), out
+
+
+def test_first_token_median_and_p90_over_few_requests():
+    """Two requests: the median between them and the p90 the later one (the nearest rank),
+    not the other way round."""
+    sys.path.insert(0, str(BENCHMARKS / "peer_workers"))  # as the workers run it
+    from protocol import Request, summarize
+
+    requests = [Request(prompt="a", images=[], max_tokens=1), Request(prompt="b", images=[], max_tokens=1)]
+    assert summarize(requests, [[1], [2]], 0, [13.0, 11.0], run_start=10.0)["ttft"] == [2.0, 3.0]
+    times = [10.0 + t for t in range(1, 33)]
+    assert summarize(requests * 16, [[1]] * 32, 0, times, run_start=10.0)["ttft"] == [16.5, 29.0]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -85,7 +87,7 @@ def summarize(requests: Sequence[Request], token_ids: Sequence[Sequence[int]], c
     ttft = sorted(t - run_start for t in first_token_times) if first_token_times else None
     return {
         # seconds from the workload's start to a request's first token: median and p90
-        "ttft": None if ttft is None else [ttft[len(ttft) // 2], ttft[int(0.9 * (len(ttft) - 1))]],
+        "ttft": None if ttft is None else [statistics.median(ttft), ttft[math.ceil(0.9 * len(ttft)) - 1]],
         "tokens": sum(len(ids) for ids in token_ids),
         "cached_tokens": int(cached_tokens),
         "first_tokens": [[int(t) for t in ids[:FIRST_TOKENS]] for ids in token_ids],
