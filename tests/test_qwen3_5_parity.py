@@ -32,7 +32,7 @@ def test_kv_cache_groups_of_a_hybrid_model(llm):
     kv = llm.engine.engine_core.scheduler.kv_cache_manager
     kinds = [type(g.spec).__name__ for g in kv.config.groups]
     assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec"]
-    assert kv.config.num_state_slots > llm.engine.args.max_num_seqs
+    assert kv.config.num_state_slots > llm.engine.engine_core.scheduler.config.max_num_seqs
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -168,6 +168,35 @@ def test_one_memory_budget_shared_by_every_group(qwen35_path):
     snapshot_bytes = state_bytes * (config.num_state_slots - seqs) / config.num_state_slots
     assert snapshot_bytes <= budget / 4
     assert config.num_blocks > 1 and total - state_bytes > budget / 2  # attention gets the rest
+
+
+def test_by_default_a_small_budget_runs_fewer_requests_instead_of_refusing_to_start(llm, qwen35_path, hf_qwen35,
+                                                                                      caplog):
+    """max_num_seqs left unset, with a KV budget whose half holds the recurrent states of 3
+    requests (as 0.5 GB holds a released Qwen3.5's 5; attention blocks given apart): the
+    engine starts, runs 3 at once, says so, and 8 requests queued together all give
+    transformers' answers."""
+    from test_qwen2_5_vl_parity import mixed_requests
+
+    from vlmserve.engine.engine_core import state_bytes_per_request
+
+    per_request = state_bytes_per_request(llm.engine.engine_core.scheduler.kv_cache_manager.config.groups)
+    assert per_request > 0
+    small = LLM(qwen35_path, kv_cache_memory_gb=7 * per_request / (1 << 30), num_kv_blocks=256)
+    assert small.engine.engine_core.scheduler.config.max_num_seqs == 3
+    assert "running at most 3 requests at once" in caplog.text
+    specs, prompts, params = mixed_requests(hf_qwen35)
+    engine, peak = small.engine, 0
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+        peak = max(peak, engine.stats().state_slots_in_use)  # slots of running requests
+    assert peak == 3
+    for i, (text, images, n) in enumerate(specs):
+        check(done[f"r{i}"], hf_qwen35, text, images, n, prompt_logprobs=True)
+    assert_all_free(small)
 
 
 def test_a_budget_too_small_for_the_recurrent_states_says_what_to_change(qwen35_path):

@@ -27,7 +27,8 @@ def make_scheduler(num_blocks=64, budget=32, max_seqs=8, window=None, enc_budget
         specs[1] = SlidingWindowSpec(BS, 1, 4, torch.float32, sliding_window=window)
     if state_slots:  # a hybrid model: a recurrent layer too
         specs[2] = MambaSpec(BS, (2, 3), (1, 2, 2), torch.float32)
-    config = KVCacheConfig(num_blocks, group_layers(specs), num_state_slots=state_slots)
+    config = KVCacheConfig(num_blocks, group_layers(specs), num_state_slots=state_slots,
+                           num_state_snapshots=max(0, state_slots - max_seqs))
     sched_config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=True,
         encoder_compute_budget=enc_budget, encoder_cache_size=enc_cache,
@@ -358,7 +359,7 @@ def test_a_failed_step_leaves_nothing_behind_that_a_later_request_could_hit():
 def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
     from vlmserve.core.state_pool import StatePool
 
-    pool = StatePool(4)
+    pool = StatePool(4, max_snapshots=3)
     live = pool.take()
     for key in "abc":  # three snapshots, one step each
         pool.save(key, live)
@@ -373,6 +374,26 @@ def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
     pool.abort_step()
     pool.commit()
     assert pool.lookup("d") is None and pool.free and pool.num_free() == 3  # its slot is free again
+
+
+def test_snapshots_never_take_the_slots_kept_for_running_requests():
+    """Two slots for running requests, one for snapshots: however many cache points a step
+    passes, a request admitted after them still finds its slot; past the allowance a new
+    snapshot replaces the least recently used one."""
+    from vlmserve.core.state_pool import StatePool
+
+    pool = StatePool(3, max_snapshots=1)
+    live = pool.take()
+    pool.save("a", live)
+    pool.save("b", live)  # the allowance is taken by "a", pending: skipped
+    assert set(pool.pending) == {"a"}
+    assert pool.take() is not None  # a request admitted later in the step
+    pool.drain_copies()
+    pool.commit()
+    pool.save("c", live)  # replaces "a"
+    pool.drain_copies()
+    pool.commit()
+    assert set(pool.snapshots) == {"c"} and not pool.free
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -49,8 +49,8 @@ class KVCacheManager:
         self.attention_managers = [(i, make_manager(g.spec, self.block_pool, i))
                                    for i, g in enumerate(config.groups) if isinstance(g.spec, AttentionSpec)]
         self.recurrent_groups = [i for i, g in enumerate(config.groups) if not isinstance(g.spec, AttentionSpec)]
-        self.states = (RecurrentStateManager(StatePool(config.num_state_slots), self.block_size, enable_caching)
-                       if self.recurrent_groups else None)
+        pool = StatePool(config.num_state_slots, config.num_state_snapshots)
+        self.states = RecurrentStateManager(pool, self.block_size, enable_caching) if self.recurrent_groups else None
         self.stats = PrefixCacheStats([0] * len(config.groups), [0] * len(config.groups))
 
     # -- prefix cache ---------------------------------------------------------------

@@ -97,6 +97,7 @@ class KVCacheConfig:
     num_blocks: int
     groups: list[KVCacheGroup]
     num_state_slots: int = 0  # for recurrent groups: live states plus prefix-cache snapshots
+    num_state_snapshots: int = 0  # of those, the most that snapshots hold at once
 
     @property
     def num_tensor_slots(self) -> int:

@@ -14,8 +14,12 @@ from vlmserve.core.kv_cache_utils import BlockHash
 
 
 class StatePool:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+    """num_slots slots, of which snapshots hold at most max_snapshots at once (committed and
+    pending together): the others stay for running requests (and their draft
+    checkpoints), which the scheduler admits counting on a slot each."""
+
+    def __init__(self, num_slots: int, max_snapshots: int) -> None:
+        self.num_slots, self.max_snapshots = num_slots, max_snapshots
         self.free: list[int] = list(range(num_slots - 1, -1, -1))
         self.snapshots: OrderedDict[BlockHash, int] = OrderedDict()  # committed, LRU first
         self.pending: dict[BlockHash, int] = {}  # written at the end of this step
@@ -28,8 +32,9 @@ class StatePool:
 
     def take(self) -> int | None:
         """A free slot, evicting the least recently used snapshot if need be."""
-        if self.free:
-            return self.free.pop()
+        return self.free.pop() if self.free else self._evict_lru()
+
+    def _evict_lru(self) -> int | None:
         for key, slot in self.snapshots.items():
             if slot not in self.pinned:
                 del self.snapshots[key]
@@ -53,7 +58,10 @@ class StatePool:
         """Snapshots a live state under key once this step has computed it."""
         if key in self.snapshots or key in self.pending:
             return
-        slot = self.take()
+        # at the allowance a new snapshot replaces the oldest: a free slot taken past it
+        # could be the one a request admitted later in this step needs
+        under = len(self.snapshots) + len(self.pending) < self.max_snapshots
+        slot = self.take() if under else self._evict_lru()
         if slot is None:
             return  # every slot is busy: skip this snapshot
         self.pinned.add(slot)

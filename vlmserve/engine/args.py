@@ -58,7 +58,10 @@ class EngineArgs:
     max_lora_rank: int = 16  # the largest rank an adapter may have
     max_cpu_loras: int | None = None  # adapters kept read in memory besides the slots (default: max_loras)
     max_model_len: int | None = None  # context length (default: the model's, capped by the KV cache)
-    max_num_seqs: int = 64  # requests running at once
+    # requests running at once (default: 64, or as many as half of --kv-cache-memory-gb holds
+    # where a hybrid model's recurrent states would take more: ~49 MB a request at Qwen3.5's
+    # released size)
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048  # tokens one step computes at most
     max_n: int = 16  # completions one request may ask for (n); each counts as a request in flight
     # split long prompts across steps (off: max_model_len is at most what one step computes for

@@ -158,7 +158,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
                                                          args.pack_weights, args.block_size)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
-    kv_config = kv_cache_config(args, groups, num_drafts, draft_groups)
+    max_num_seqs = running_limit(args, groups, num_drafts, draft_groups)
+    kv_config = kv_cache_config(args, groups, max_num_seqs, num_drafts, draft_groups)
     # a decode step with drafts computes 1 + k tokens, and a draft model writes past them
     max_model_len = fit_max_model_len(args, hf_config, kv_config, 1 + num_drafts + lookahead)
     max_chunk_tokens = fit_chunk(args.max_num_batched_tokens, kv_config, max_model_len, lookahead)
@@ -166,7 +167,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         max_model_len = fit_unchunked(args, max_model_len, max_chunk_tokens)
     sched_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         enable_chunked_prefill=args.chunked_prefill,
         encoder_compute_budget=args.encoder_compute_budget,
@@ -183,39 +184,69 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
                          speculative, draft_model, lora, cuda_graphs=not args.enforce_eager)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
-    structured = StructuredOutputManager(model_path, model.text_config.vocab_size, args.max_num_seqs)
+    structured = StructuredOutputManager(model_path, model.text_config.vocab_size, max_num_seqs)
     info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start, lora.targets if lora else None)
     return EngineCore(scheduler, runner, structured, timer), info
 
 
-def kv_cache_config(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=()) -> KVCacheConfig:
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+def state_bytes_per_request(groups, num_drafts: int = 0, draft_groups=()) -> int:
+    """Recurrent-state memory one running request holds: its state slot (and one per
+    draft: checkpoints for speculative decoding) across the model's and a draft model's
+    layers, plus the draft model's scratch slot. 0 without recurrent layers."""
+    draft_slot_bytes = state_slot_bytes(list(draft_groups))
+    return (state_slot_bytes(groups) + draft_slot_bytes) * (1 + num_drafts) + draft_slot_bytes
+
+
+def running_limit(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=()) -> int:
+    """Requests running at once: max_num_seqs where given; else 64, or fewer where a
+    hybrid model's recurrent states for 64 would take more than half the KV budget (a
+    released Qwen3.5 holds ~49 MB a request: 64 need 3 GB), so that a default start never
+    fails for want of state memory."""
+    if args.max_num_seqs is not None:
+        return args.max_num_seqs
+    per_request = state_bytes_per_request(groups, num_drafts, draft_groups)
+    half_budget = args.kv_cache_memory_gb * (1 << 30) / 2
+    if per_request * DEFAULT_MAX_NUM_SEQS <= half_budget:
+        return DEFAULT_MAX_NUM_SEQS
+    fits = max(1, int(half_budget // per_request))
+    logger.warning("running at most %d requests at once: each holds %.3g MB of recurrent state, and "
+                   "kv_cache_memory_gb=%g gives states half of it; raise kv_cache_memory_gb (or set max_num_seqs) "
+                   "for more", fits, per_request / (1 << 20), args.kv_cache_memory_gb)
+    return fits
+
+
+def kv_cache_config(args: EngineArgs, groups, max_num_seqs: int, num_drafts: int = 0,
+                    draft_groups=()) -> KVCacheConfig:
     """Splits the KV memory budget: recurrent layers first get a state slot for every
-    request that can run at once (and one per draft: checkpoints for speculative
-    decoding), plus snapshot slots for prefix caching (a quarter of the budget at most);
-    attention blocks get the rest. A draft model's layers take their share of each slot
-    and block (and a scratch state slot per request)."""
+    request that can run at once (max_num_seqs; and one per draft: checkpoints for
+    speculative decoding), plus snapshot slots for prefix caching (a quarter of the budget
+    at most); attention blocks get the rest. A draft model's layers take their share of
+    each slot and block (and a scratch state slot per request)."""
     budget = int(args.kv_cache_memory_gb * (1 << 30))
     draft_slot_bytes = state_slot_bytes(list(draft_groups))
-    budget -= args.max_num_seqs * draft_slot_bytes
+    budget -= max_num_seqs * draft_slot_bytes
     slot_bytes = state_slot_bytes(groups) + draft_slot_bytes
-    num_slots = 0
+    num_slots = snapshots = 0
     if slot_bytes:
         snapshots = args.num_state_snapshots
         if snapshots is None:
-            snapshots = min(8 * args.max_num_seqs, budget // 4 // slot_bytes) if args.prefix_caching else 0
-        num_slots = args.max_num_seqs * (1 + num_drafts) + snapshots
+            snapshots = min(8 * max_num_seqs, budget // 4 // slot_bytes) if args.prefix_caching else 0
+        num_slots = max_num_seqs * (1 + num_drafts) + snapshots
         budget -= num_slots * slot_bytes
         if budget <= 0 and args.num_kv_blocks is None:
             needed = args.kv_cache_memory_gb - budget / (1 << 30)
-            raise ValueError(f"the recurrent states of max_num_seqs={args.max_num_seqs} requests and {snapshots} "
+            raise ValueError(f"the recurrent states of max_num_seqs={max_num_seqs} requests and {snapshots} "
                              f"prefix-caching snapshots ({slot_bytes / (1 << 20):.1f} MB each) need {needed:.2f} GB "
                              f"and leave no room for attention blocks in kv_cache_memory_gb={args.kv_cache_memory_gb}: "
                              f"lower max_num_seqs or raise kv_cache_memory_gb")
     draft_block_bytes = sum(len(g.layer_ids) * g.spec.page_size_bytes for g in draft_groups
                             if isinstance(g.spec, AttentionSpec))
     num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget, draft_block_bytes)
-    return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots)
+    return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots, num_state_snapshots=snapshots)
 
 
 def fits_alone(kv_config: KVCacheConfig, num_tokens: int, query_len: int) -> bool:
