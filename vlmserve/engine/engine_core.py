@@ -30,6 +30,8 @@ from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_NUM_SEQS = 64  # requests running at once where max_num_seqs is not given
+
 EMPTY_STEPS_REPORTED = 100
 EMPTY_STEP_SLEEP = 0.01
 
@@ -188,9 +190,6 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start, lora.targets if lora else None)
     return EngineCore(scheduler, runner, structured, timer), info
-
-
-DEFAULT_MAX_NUM_SEQS = 64
 
 
 def state_bytes_per_request(groups, num_drafts: int = 0, draft_groups=()) -> int:

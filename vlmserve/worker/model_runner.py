@@ -309,7 +309,7 @@ class ModelRunner:
         under an adapter (its token mapping covers every row); None: all rows."""
         if len(positions) == len(step.input_ids):
             return None
-        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
+        for row, c in zip(step.rows, step.num_computed):
             state = self.input_batch.states[row]
             if state.pooling_params is not None or state.lora_request is not None:
                 return None
