@@ -1,28 +1,27 @@
 """Linear layers, optionally on a prepacked copy of the weight, and the gated activation
 between a gated MLP's two matmuls.
 
-On CPU a weight can be reordered once into oneDNN's blocked layout. A matmul on it runs
-faster than `F.linear` on the plain weight at every row count measured (fp32 decoding
-3-8x, bf16 batched decode 1.3-2x) and as fast for long prefills; only vlmserve's bf16 GEMV
-on the plain weight beats it, at one to three rows. So a packed layer keeps both and picks
-by row count.
-For one to three rows of a bf16 layer on a CPU with AVX512-BF16, the product is a
-matrix-vector product bound by how fast the weight streams from memory: vlmserve's own
-kernel (csrc/gemv.cpp) reads it near this CPU's bandwidth, where oneDNN's reaches half;
-from four rows a packed copy is as fast, and the same kernel takes up to 16 rows of
-a layer too large to keep one. Up to 32 rows (a batch of decoding requests) on a CPU with
-AMX, vlmserve's AMX kernel (csrc/amx_linear.cpp) reads the plain weight once for all
-rows, as a decode step should. Without AMX, a bf16 layer's packed copy is vlmserve's pair
-layout instead of oneDNN's (csrc/bf16_batch_linear.cpp: the weight streamed with reads
-ahead, so that reading and computing overlap).
+On CPU a weight can be reordered once into a layout its matmul reads faster than the
+plain one. With AMX, oneDNN's blocked layout: a matmul on it runs faster than `F.linear`
+on the plain weight at every row count measured (fp32 decoding 3-8x, bf16 batched decode
+1.3-2x) and as fast for long prefills; only vlmserve's bf16 GEMV on the plain weight beats
+it, at one to three rows, and up to 32 rows (a batch of decoding requests) vlmserve's AMX
+kernel (csrc/amx_linear.cpp) reads the plain weight once for all rows, as a decode step
+should. So there a packed layer keeps both and picks by row count.
+Without AMX, a bf16 layer's packed copy is vlmserve's pair layout
+(csrc/bf16_batch_linear.cpp: 64 output columns' weights interleaved by input pairs), and
+it takes the plain weight's place: one copy serves every row count. With AVX512-BF16 its
+kernel streams the copy in one sequential run a thread, which from one row on reads faster
+than the bf16 GEMV's four rows at once (1-5 rows 1.0-2.2x, 54-64 GB/s where a 1 GiB sum
+reads 46), and with reads ahead, so that reading and computing overlap, from 7 rows on.
 A CPU without AVX512-BF16 has no bf16 arithmetic: on AVX2 (AMD Zen 2/3, Intel client
 cores) oneDNN has no bf16 matmul (torch's runs at a tenth of fp32's speed), on AVX-512F alone
 (Xeons from Skylake to Ice Lake, or a newer one whose hypervisor hides AVX512-BF16) oneDNN
-emulates one at a quarter of fp32's speed. On both a layer's pair-layout copy takes the
-place of its plain weight, and the same kernel as above multiplies it widened (the pairs widened
-to fp32 in registers) for every row count. A layer whose output is no multiple of 64 has
-no packed copy: up to 64 rows run on the widening GEMV (the plain weight widened in
-registers), more as fp32 matmuls over the weight widened a block at a time.
+emulates one at a quarter of fp32's speed. There the same kernel multiplies the pairs
+widened to fp32 in registers. A layer whose output is no multiple of 64 has no packed
+copy: it runs on the bf16 GEMV (1-16 rows), or without AVX512-BF16 on the widening GEMV
+(the plain weight widened in registers; up to 64 rows) and beyond as fp32 matmuls over the
+weight widened a block at a time.
 """
 
 from __future__ import annotations
@@ -45,19 +44,20 @@ from vlmserve.kernels.registry import register
 # (AMD EPYC, 2 threads)
 GEMV_OVER_PACKED_ROWS = 3
 GEMV_MAX_ROWS = 4  # the int8 matrix-vector kernel's rows (csrc/gemv.cpp)
-# Up to this, the bf16 GEMV takes a layer with no packed copy (a model too large to keep
-# one): 4 to 16 rows in tiles, 1.2-1.3x F.linear on the plain weight (measured as above;
-# about even at 24-32 rows, where F.linear's matmul takes over)
+# Up to this, the bf16 GEMV takes a layer with no packed copy (an output size no multiple of
+# 64, or oneDNN's copies too large to keep beside the weights): 4 to 16 rows in tiles,
+# 1.2-1.3x F.linear on the plain weight (measured as above; about even at 24-32 rows,
+# where F.linear's matmul takes over)
 BF16_GEMV_MAX_ROWS = 16
 # Past GEMV_OVER_PACKED_ROWS up to this, AMX tiles on the plain weight (csrc/amx_linear.cpp) where
 # the CPU has AMX-BF16: a batched decode step at 8-16 rows 1.1-1.5x faster in the engine than
 # on oneDNN's packed copy, about even at 32-48, slower at 64 (measured, Qwen2.5-VL-3B widths)
 AMX_MAX_ROWS = 32
-# Output columns per block of the pair layout a bf16 layer's packed copy takes on CPUs with
-# AVX512-BF16 and no AMX (csrc/bf16_batch_linear.cpp): from 4 rows on, it streams the weight
-# once with the next 64 KB asked for ahead, where oneDNN's matmul on its own copy reads
-# and computes in turn (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC: 4-64 rows 1.05-1.5x;
-# prompts 128 rows at a time, about even at 0.9 TFLOP/s)
+# Output columns per block of the pair layout a bf16 layer's packed copy takes on CPUs
+# without AMX (csrc/bf16_batch_linear.cpp): it streams the weight once (from 7 rows on
+# asking for the stream ahead), where oneDNN's matmul on its own copy reads and computes
+# in turn (Qwen2.5-VL-3B's matrices, 2 threads, AMD EPYC: 4-64 rows 1.05-1.5x; prompts 128
+# rows at a time, about even at 0.9 TFLOP/s)
 PAIR_COLUMNS = 64
 # Up to this, the widening GEMV (csrc/bf16_gemv_widened.h) on CPUs without AVX512-BF16
 # (Qwen2.5-VL-3B's matrices, 2 threads): on AVX2 (AMD EPYC Zen 3) 1.6-3.3x torch's bf16
@@ -119,15 +119,14 @@ def packed_copy_replaces_weight(weight: torch.Tensor) -> bool:
 
 @register("packed_copy_replaces_weight", "cpu")
 def packed_copy_replaces_weight_cpu(weight: torch.Tensor) -> bool:
-    """On a CPU without AVX512-BF16 (AVX-512F or AVX2) a bf16 layer's pair-layout copy
-    does, its pairs widened in registers (csrc/bf16_batch_linear.cpp), against the plain
-    weight's kernels (Qwen2.5-VL-3B's matrices, 2 threads): on a Xeon with AVX-512F one row
-    at 0.95x the widening GEMV's speed, two or three rows 1.1x, 8-64 rows 1.3-1.6x; prompts
-    1.1-1.2x the widened fp32 matmul at 256 rows, 0.92-0.96x from 1,024; on an AVX2 EPYC one
-    row 0.93-1.07x (noise), 8-64 rows 1.15-1.8x, prompts of 512-2,048 rows 1.2-1.3x. So one copy, not
-    two, is kept. Elsewhere the plain weight stays: the AVX512-BF16 GEMV reads it for one to
-    three rows."""
-    return _pairs_fit(weight) and widens_bf16_layers()
+    """A bf16 layer's pair-layout copy does (no AMX), against the plain weight's kernels
+    (2 threads): with AVX512-BF16 (an AMD EPYC Zen 4, Qwen2.5-VL-3B's and Qwen3.5's
+    matrices) 1-5 rows at 1.0-2.2x the bf16 GEMV, 8-64 rows 1.05-1.5x oneDNN's packed copy,
+    prompts as fast; on a Xeon with AVX-512F only one row at 0.95x the widening GEMV's speed,
+    two or three rows 1.1x, 8-64 rows 1.3-1.6x, prompts 1.1-1.2x the widened fp32 matmul at
+    256 rows, 0.92-0.96x from 1,024; on an AVX2 EPYC one row 0.93-1.07x (noise), 8-64 rows
+    1.15-1.8x, prompts of 512-2,048 rows 1.2-1.3x. So one copy, not two, is kept."""
+    return _pairs_fit(weight)
 
 
 @register("linear")
@@ -140,9 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if packed is not None and packed.dim() == 4:  # the pair-layout copy, in the plain weight's place
+        return cpu_kernels().bf16_batch_linear(x, packed, bias)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
-        if packed is not None:  # AVX-512F: the pair-layout copy, in the plain weight's place
-            return cpu_kernels().bf16_batch_linear(x, packed, bias)
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
             return cpu_kernels().bf16_gemv(x, weight, bias)
         return _linear_widened(x, weight, bias)
@@ -151,9 +150,7 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return cpu_kernels().bf16_gemv(x, weight, bias)
     if 0 < rows <= AMX_MAX_ROWS and _amx_fits(x, weight):
         return cpu_kernels().amx_linear(x, weight, bias)
-    if packed is not None and rows > 0:
-        if packed.dim() == 4:  # the pair layout (pack_linear_weight_cpu)
-            return cpu_kernels().bf16_batch_linear(x, packed, bias)
+    if packed is not None and rows > 0:  # oneDNN's blocked layout
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
     if gemv:
@@ -223,8 +220,7 @@ def has_bf16_matmul() -> bool:
 def one_row_on_pairs(weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether linear_cpu multiplies one bf16 row by this layer with bf16_batch_linear on
     its pair-layout copy."""
-    return (packed is not None and packed.dim() == 4 and weight.dtype == torch.bfloat16 and widens_bf16_layers()
-            and cpu_extension.available())
+    return packed is not None and packed.dim() == 4 and weight.dtype == torch.bfloat16 and cpu_extension.available()
 
 
 def one_row_on_bf16_gemv(weight: torch.Tensor) -> bool:

@@ -349,15 +349,16 @@ def test_bf16_rows_past_the_widening_gemv_run_as_fp32_matmuls_over_widened_block
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # at most a last bit apart (summation order)
 
 
-@pytest.mark.parametrize("rows", [4, 5, 13, 32, 33, 64, 300, 600])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 6, 7, 13, 32, 33, 64, 300, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
-    """A packed bf16 layer from 4 rows on, on CPUs with AVX-512 or AVX2 and no AMX: the pair
-    layout's kernel (its pairs widened to fp32 where there is no AVX512-BF16), over several
-    blocks of 64 columns (split between the threads), two chunks of input channels, row
-    tiles of unequal sizes and, past 128 rows, several passes over the weight: fp32 sums of
-    the exact bf16 products, rounded to bf16 once. A layer whose output size is no multiple
-    of 64 keeps oneDNN's copy, or none where bf16 layers run widened."""
+    """A packed bf16 layer on CPUs with AVX-512 or AVX2 and no AMX: the pair layout's kernel
+    (its pairs widened to fp32 where there is no AVX512-BF16) at every row count, over
+    several blocks of 64 columns (split between the threads), two chunks of input channels,
+    one row tile (the weight streamed as it comes) or several of unequal sizes (each asking
+    for its share of the stream ahead) and, past 128 rows, several passes over the weight:
+    fp32 sums of the exact bf16 products, rounded to bf16 once. A layer whose output size
+    is no multiple of 64 keeps oneDNN's copy, or none where bf16 layers run widened."""
     from vlmserve.kernels import cpu_extension, linear
 
     if not linear._pairs_fit(torch.empty(64, 2, dtype=torch.bfloat16)):
@@ -384,12 +385,13 @@ def test_bf16_packed_layer_on_the_pair_kernel(rows, bias):
         assert odd.packed_weight is not None and odd.packed_weight.dim() != 4 and cpu_extension.available()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 600])
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 600])
 def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
-    """On a CPU without AVX512-BF16 (AVX-512F or AVX2) a packed bf16 layer keeps its pair-layout copy
-    alone (the plain weight goes), and one row, a batch and a prompt of over 512 rows all run
-    on it: fp32 sums of the exact bf16 products, rounded once. Elsewhere the plain weight
-    stays beside any packed copy."""
+    """On a CPU without AMX (AVX512-BF16, AVX-512F or AVX2) a packed bf16 layer keeps its
+    pair-layout copy alone (the plain weight goes), and no row (a step whose rows another
+    layer took), one row, a batch and a prompt of over 512 rows all run on it: fp32 sums of
+    the exact bf16 products, rounded once. With AMX the plain weight stays beside oneDNN's
+    packed copy."""
     from vlmserve.kernels import linear
 
     torch.manual_seed(rows)
@@ -399,7 +401,7 @@ def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
     layer.pack()
     if not replaces:
         assert torch.equal(layer.weight, weight)
-        pytest.skip("packed copies take the weight's place on CPUs without AVX512-BF16")
+        pytest.skip("packed copies take the weight's place on CPUs without AMX")
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16 and layer.packed_weight.dim() == 4
     x = torch.randn(rows, 1100).to(torch.bfloat16)
     with torch.inference_mode():
@@ -438,7 +440,7 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
     model, _ = load_model(path, dtype, kernel_table("cpu"))
     table = model.model.language_model.embed_tokens.weight
-    # the head's own copy takes the table's place in the head only (CPUs without AVX512-BF16)
+    # the head's own copy takes the table's place in the head only (bf16 on CPUs without AMX)
     assert model.lm_head.weight is table or model.lm_head.weight.numel() == 0
     if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
         assert model.lm_head.packed_weight is not None

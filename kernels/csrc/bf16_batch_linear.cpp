@@ -1,9 +1,10 @@
-// bf16 linear layers for a batch of decoding requests (4 to 64 rows) on CPUs with
-// AVX512-BF16, from a copy of the weight in the dot product's pair layout; and on AVX-512F
-// or AVX2 CPUs without it (no bf16 arithmetic), from the same copy, each pair widened to
-// fp32 in registers (a shift and a mask) and multiplied with x widened once per call.
+// bf16 linear layers from a copy of the weight in the dot product's pair layout: on CPUs
+// with AVX512-BF16 and no AMX for every row count (one user's decode step to a prompt's
+// chunk; the copy takes the plain weight's place); on AVX-512F or AVX2 CPUs without it (no
+// bf16 arithmetic) the same, each pair widened to fp32 in registers (a shift and a mask)
+// and multiplied with x widened once per call.
 //
-// At these row counts a decode step's matmul should cost the larger of its FLOPs at the
+// For a batch of decoding requests (4 to 64 rows) a matmul should cost the larger of its FLOPs at the
 // CPU's peak and its weight bytes at the memory's bandwidth. oneDNN's matmul on its packed
 // copy costs about their sum (Qwen2.5-VL-3B's MLP, 16 rows: 2.65 ms where the compute
 // alone takes 1.6 and the weight 1.5; with the weight in cache it runs at the peak): it
@@ -16,8 +17,8 @@
 // registers (24 accumulators), over chunks of kChunkPairs channel pairs (32 KB of weight,
 // which stays in L1/L2 while each row tile reuses it; widened: 4 rows, 16 accumulators and
 // x's 8 broadcast values in registers, which is 1.2-1.4x the widening GEMV's dot products at
-// 8-64 rows on a Xeon without AVX512-BF16). Every row tile over a chunk asks for
-// its share of the stream ahead, so the memory is read evenly while the tiles multiply:
+// 8-64 rows on a Xeon without AVX512-BF16). Where a chunk has several row tiles, each asks
+// for its share of the stream ahead, so the memory is read evenly while the tiles multiply:
 // when only the first tile asked (for 128 KB chunks), the reads came in bursts the memory
 // could not serve and sat idle between them (3B widths, 8 layers and the head, AMD EPYC
 // Zen 4: 16 rows 1.13x, 32 rows 1.30x the first-tile scheme; same sums).
@@ -54,6 +55,12 @@ inline void ask_ahead(const char*& ahead, const char* until) {
 using XValue = uint32_t;            // x as its bf16 pairs, one value a pair
 constexpr int64_t kXPerPair = 1;
 constexpr int kRowTile = 6;         // rows per register tile (6 x 4 accumulators)
+// Up to kRowTile rows (one tile) the weight streams once, in order, and the hardware
+// prefetcher alone reads it fastest: asking ahead as well made 1-6 rows 1.05-1.1x slower
+// when the memory was slow and up to 1.4x when it was fast (AMD EPYC Zen 4, 3B and Qwen3.5
+// matrices, 2 threads; 1-4 rows then read 54-64 GB/s, over a 1 GiB sum's 46). From 7 rows
+// each chunk is multiplied by two tiles or more, and asking ahead is 1.05-1.45x faster.
+constexpr bool kOneTileAsksAhead = false;
 
 // acc[r][c] (+)= sum over pairs p of x[r][2p:2p+2] . w[p][16c:16c+16][2] for R rows.
 template <int R>
@@ -64,11 +71,12 @@ inline void row_tile(const uint32_t* x_pairs, int64_t x_stride, const uint16_t* 
     for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c_rows + r * kCols + 16 * c);
   // the lines [ahead, ahead_stop) of the stream asked for into L2, spread evenly over the pairs
   ahead_stop = std::min(ahead_stop, stream_end);
-  const int64_t span = ahead < ahead_stop ? ahead_stop - ahead : 0;
+  // (a multiply a pair, not a division: one row's loop has little else to hide it behind)
+  const int64_t per_pair = ahead < ahead_stop ? (ahead_stop - ahead) / pairs : 0;
   const char* const ahead_begin = ahead;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* wp = w + p * kCols * 2;
-    ask_ahead(ahead, ahead_begin + span * (p + 1) / pairs);
+    ask_ahead(ahead, p + 1 < pairs ? ahead_begin + per_pair * (p + 1) : ahead_stop);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
     for (int r = 0; r < R; ++r) {
@@ -87,6 +95,7 @@ inline void row_tile(const uint32_t* x_pairs, int64_t x_stride, const uint16_t* 
 using XValue = float;               // x widened to fp32, two values a pair
 constexpr int64_t kXPerPair = 2;
 constexpr int kRowTile = 4;         // rows per register tile (4 x 4 accumulators, 4 x 2 of x)
+constexpr bool kOneTileAsksAhead = true;  // not measured without on such a CPU
 
 // as above, each pair of w widened: its first values by a shift, its second by a mask
 template <int R>
@@ -123,6 +132,7 @@ inline void row_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_
 using XValue = float;               // x widened to fp32, two values a pair
 constexpr int64_t kXPerPair = 2;
 constexpr int kRowTile = 6;         // rows per register tile (6 x 2 accumulators, 2 of w, 1 of x)
+constexpr bool kOneTileAsksAhead = true;  // not measured without on such a CPU
 
 // as above with 16 registers of 8 lanes: the 64 columns in groups of 8 x C (C vectors of
 // 8 sums a row: all 64 for one row, 32 for two, 16 for more), each group over all the
@@ -222,6 +232,7 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
         const int64_t block_rows = std::min(kRowBlock, rows - row0);
         // row tiles of near-equal size: 32 rows in tiles of 6 as 6, 6, 5, 5, 5, 5 rather than 6 x 5 and 2
         const int64_t tiles = (block_rows + kRowTile - 1) / kRowTile;
+        const bool asks_ahead = tiles > 1 || kOneTileAsksAhead;
         for (int64_t b = b_begin; b < b_end; ++b) {
           const uint16_t* wb = wp + b * block_elems;
           for (int64_t p0 = 0; p0 < half; p0 += kChunkPairs) {
@@ -229,7 +240,7 @@ at::Tensor bf16_batch_linear(const at::Tensor& x, const at::Tensor& packed, cons
             const uint16_t* wc = wb + p0 * kCols * 2;
             // the chunk's size of the stream kAheadBytes on, a share to each row tile
             const char* ahead = reinterpret_cast<const char*>(wc) + kAheadBytes;
-            const int64_t ahead_len = pairs * kCols * 2 * static_cast<int64_t>(sizeof(uint16_t));
+            const int64_t ahead_len = asks_ahead ? pairs * kCols * 2 * static_cast<int64_t>(sizeof(uint16_t)) : 0;
             for (int64_t i = 0; i < tiles; ++i) {
               const int64_t r0 = block_rows * i / tiles, r1 = block_rows * (i + 1) / tiles;
               vlmserve::with_constant<kRowTile>(static_cast<int>(r1 - r0), [&](auto r) {
