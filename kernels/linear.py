@@ -88,19 +88,23 @@ def zeros_streamed_cpu(shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
 
 @register("pack_linear_weight")
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_linear_weight(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor | None:
     """No packed layout off the CPU: the plain weight is used."""
     return None
 
 
 @register("pack_linear_weight", "cpu")
-def pack_linear_weight_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """bf16 on a CPU with AVX-512 and no AMX: the pair layout of vlmserve's kernel
-    (`bf16_batch_linear.cpp`), on 2 MB pages; otherwise oneDNN's blocked layout, except for
-    bf16 where bf16 layers run widened (none)."""
+def pack_linear_weight_cpu(weight: torch.Tensor, in_place: bool = False) -> torch.Tensor | None:
+    """bf16 on a CPU with AVX-512 or AVX2 and no AMX: the pair layout of vlmserve's kernel
+    (`bf16_batch_linear.cpp`), on 2 MB pages, or with `in_place` in the weight's own memory
+    (where the copy takes the weight's place and nothing else reads it: loading then never
+    holds a layer twice); otherwise oneDNN's blocked layout, except for bf16 where bf16
+    layers run widened (none)."""
     if _pairs_fit(weight):
         n, k = weight.shape
-        packed = zeros_on_huge_pages((n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2), torch.bfloat16)
+        shape = (n // PAIR_COLUMNS, k // 2, PAIR_COLUMNS, 2)
+        packed = weight.detach().view(shape) if in_place and weight.is_contiguous() else \
+            zeros_on_huge_pages(shape, torch.bfloat16)
         cpu_kernels().bf16_pair_pack(weight.detach(), packed)
         return packed
     if weight.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():

@@ -84,10 +84,12 @@ class Linear(nn.Linear):
             Linear.lora_generation += 1
         return self.lora
 
-    def pack(self) -> None:
+    def pack(self, weight_shared: bool = False) -> None:
+        """weight_shared: another module reads this weight too (a head tied to the
+        embedding table), so a copy that takes its place here is made beside it."""
         if self.quantized is None:
             replaces = ops.packed_copy_replaces_weight(self.weight)
-            self.packed_weight = ops.pack_linear_weight(self.weight)
+            self.packed_weight = ops.pack_linear_weight(self.weight, in_place=replaces and not weight_shared)
             if replaces and self.packed_weight is not None:  # the copy serves every row count: one copy, not two
                 self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 

@@ -398,11 +398,13 @@ def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
     layer = Linear(1100, 3 * 64, bias=True).to(torch.bfloat16)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     replaces = linear.packed_copy_replaces_weight_cpu(layer.weight)
+    memory = layer.weight.data_ptr()
     layer.pack()
     if not replaces:
         assert torch.equal(layer.weight, weight)
         pytest.skip("packed copies take the weight's place on CPUs without AMX")
     assert layer.weight.numel() == 0 and layer.weight.dtype == torch.bfloat16 and layer.packed_weight.dim() == 4
+    assert layer.packed_weight.data_ptr() == memory  # packed in the weight's own memory: never two copies
     x = torch.randn(rows, 1100).to(torch.bfloat16)
     with torch.inference_mode():
         got = layer(x)
@@ -444,6 +446,8 @@ def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dty
     assert model.lm_head.weight is table or model.lm_head.weight.numel() == 0
     if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
         assert model.lm_head.packed_weight is not None
+        if model.lm_head.packed_weight.dim() == 4:  # the pair layout: a copy, lookups read the table
+            assert model.lm_head.packed_weight.data_ptr() != table.data_ptr()
     for rows in (1, 8):
         hidden = torch.randn(rows, table.shape[1]).to(table.dtype)
         want = F.linear(hidden.float(), table.float())

@@ -166,6 +166,30 @@ def test_long_prompt_chunks_on_flash_attention(qwen25_path, hf_qwen25, route, mo
     check(out, hf_qwen25, text, [IMG_A], 16, prompt_logprobs=True)
 
 
+def test_encoder_calls_group_items_in_order_up_to_a_size():
+    from vlmserve.multimodal.inputs import MultiModalFeature
+    from vlmserve.worker.model_runner import encoder_calls
+
+    items = [MultiModalFeature("image", str(i), 0, n, {}) for i, n in enumerate([300, 700, 1500, 4000, 10, 20])]
+    groups = [[f.length for f in g] for g in encoder_calls(items, 2048)]
+    assert groups == [[300, 700], [1500], [4000], [10, 20]]  # the item over the size alone
+    assert encoder_calls([], 2048) == []
+
+
+def test_pictures_encoded_in_several_calls_match_transformers(qwen25_path, hf_qwen25, monkeypatch):
+    """A step's pictures go through the vision tower in calls of a bounded size (a step's
+    whole encoder budget at once held every block's activations for all its patches): two
+    pictures in one step, encoded one a call, give transformers' tokens and logprobs."""
+    from vlmserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "ENCODER_CALL_TOKENS", 1)
+    llm = LLM(qwen25_path, num_kv_blocks=256)
+    text, images = CASES["two_images"]
+    out = llm.generate(request(hf_qwen25, text, images), greedy(prompt_logprobs=-1))[0]
+    check(out, hf_qwen25, text, images, 16, prompt_logprobs=True)
+    assert llm.engine.engine_core.runner.encoder_runs == 2
+
+
 def test_prefix_cache_hit_reuses_kv_and_skips_the_encoder(qwen25_path, hf_qwen25):
     llm = LLM(qwen25_path, num_kv_blocks=256)
     text = "Describe the image. " * 3

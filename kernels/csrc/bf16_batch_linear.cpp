@@ -178,25 +178,28 @@ inline void row_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_
 
 #endif
 
-// out [N / 64, K / 2, 64, 2] <- weight [N, K]
+// out [N / 64, K / 2, 64, 2] <- weight [N, K]. A block of 64 columns' pairs takes the same
+// bytes as those 64 rows of the weight, so each block goes through a copy of its rows and
+// `out` may be the weight's own memory: packed in place, no second copy of the weight.
 void bf16_pair_pack(const at::Tensor& weight, at::Tensor& out) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a 2-D bf16 weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              "a contiguous 2-D bf16 weight");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kCols == 0 && k % 2 == 0, "the output size must be a multiple of 64 and the input size even");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
                   out.sizes() == at::IntArrayRef({n / kCols, k / 2, kCols, 2}),
               "out must be a contiguous bf16 [N / 64, K / 2, 64, 2]");
-  const at::Tensor w = weight.contiguous();
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr());  // pairs of channels
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(weight.data_ptr());  // pairs of channels
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
   const int64_t half = k / 2;
   at::parallel_for(0, n / kCols, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t c = 0; c < kCols; ++c) {
-        const uint32_t* row = src + (b * kCols + c) * half;
-        uint32_t* to = dst + b * half * kCols + c;
-        for (int64_t p = 0; p < half; ++p) to[p * kCols] = row[p];
-      }
+    std::vector<uint32_t> rows(kCols * half);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::memcpy(rows.data(), src + b * kCols * half, rows.size() * sizeof(uint32_t));
+      uint32_t* to = dst + b * half * kCols;
+      for (int64_t c = 0; c < kCols; ++c)
+        for (int64_t p = 0; p < half; ++p) to[p * kCols + c] = rows[c * half + p];
+    }
   });
 }
 

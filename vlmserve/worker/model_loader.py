@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -114,8 +115,9 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
         logger.info("linear weights not packed: a copy (%.1f GB) would take over %d%% of memory",
                     extra / 1e9, memory_share * 100)
         return 0
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for m in linears:
-        m.pack()
+        m.pack(weight_shared=owners[id(m.weight)] > 1)
     return extra if any(m.packed_weight is not None for m in linears) else 0
 
 

@@ -30,6 +30,28 @@ from vlmserve.worker.staging import Staging
 from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 
 
+# Embedding tokens of media one call of the vision tower takes (an item larger than this
+# alone): a step's encoder budget (8,192 by default) in one call held every block's
+# activations for up to 32k patches at once, 0.76 GB of temporaries at Qwen2.5-VL-3B's
+# widths that the process keeps (worker/allocator.py); at 2,048 (8,192 patches) its
+# matmuls still take hundreds of rows a pass and run as fast.
+ENCODER_CALL_TOKENS = 2048
+
+
+def encoder_calls(features: list[MultiModalFeature], limit: int) -> list[list[MultiModalFeature]]:
+    """The items in order, in groups of at most `limit` embedding tokens (an item larger
+    than that in a group of its own)."""
+    groups: list[list[MultiModalFeature]] = []
+    size = 0
+    for feature in features:
+        if not groups or size + feature.length > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(feature)
+        size += feature.length
+    return groups
+
+
 @dataclass
 class SamplingPositions:
     """The requests of a step that sample a token, those that check drafts, and where the
@@ -245,7 +267,8 @@ class ModelRunner:
         if self.lora:
             self.lora.set_all(lora)
         try:
-            outputs = self.model.embed_multimodal(features)
+            outputs = [out for group in encoder_calls(features, ENCODER_CALL_TOKENS)
+                       for out in self.model.embed_multimodal(group)]
         finally:
             if self.lora:
                 self.lora.clear()
@@ -256,7 +279,8 @@ class ModelRunner:
                 )
             self.encoder_cache[feature.mm_hash] = out
         if self.proposer:  # a draft model reads the same pictures with its own encoder
-            self.proposer.encode(features)
+            for group in encoder_calls(features, ENCODER_CALL_TOKENS):
+                self.proposer.encode(group)
         self.encoder_runs += len(features)
 
     # -- sampling -------------------------------------------------------------------------
