@@ -4,8 +4,8 @@
 // bf16 arithmetic) the same, each pair widened to fp32 in registers (a shift and a mask)
 // and multiplied with x widened once per call.
 //
-// For a batch of decoding requests (4 to 64 rows) a matmul should cost the larger of its FLOPs at the
-// CPU's peak and its weight bytes at the memory's bandwidth. oneDNN's matmul on its packed
+// For a batch of decoding requests (4 to 64 rows) a matmul should cost the larger of its
+// FLOPs at the CPU's peak and its weight bytes at the memory's bandwidth. oneDNN's matmul on its packed
 // copy costs about their sum (Qwen2.5-VL-3B's MLP, 16 rows: 2.65 ms where the compute
 // alone takes 1.6 and the weight 1.5; with the weight in cache it runs at the peak): it
 // does not read ahead. This kernel streams the weight once, asking for the next 64 KB
