@@ -133,6 +133,26 @@ def packed_copy_replaces_weight_cpu(weight: torch.Tensor) -> bool:
     return _pairs_fit(weight)
 
 
+@register("weight_rows")
+def weight_rows(ids: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` of a layer's weight (an embedding lookup in a table tied to the output
+    head): the plain weight's."""
+    return F.embedding(ids, weight)
+
+
+@register("weight_rows", "cpu")
+def weight_rows_cpu(ids: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """From the pair-layout copy where it took the weight's place: row r is the r % 64th
+    column of block r // 64, each of its pairs 4 bytes (a 4,096-token prompt's lookup in
+    a 151,936 x 2,048 table: 19 ms, against 1.6 from the plain table)."""
+    if packed is None or packed.dim() != 4:
+        return F.embedding(ids, weight)
+    blocks, pairs, columns, _ = packed.shape
+    flat = ids.reshape(-1)
+    rows = packed.view(blocks, pairs, columns * 2).view(torch.int32)[flat // columns, :, flat % columns]
+    return rows.view(packed.dtype).view(*ids.shape, pairs * 2)
+
+
 @register("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
-from vlmserve.models.layers import FusedLinear, Linear, kept, mrope_cos_sin, rope_inv_freq
+from vlmserve.models.layers import Embedding, FusedLinear, Linear, kept, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
 from vlmserve.multimodal.inputs import MultiModalFeature
@@ -30,7 +30,7 @@ class MRoPEDecoder(nn.Module):
     def __init__(self, cfg, make_layer: Callable[[Any, int], nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
                  default_section: list[int], default_theta: float, interleaved: bool = False) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([make_layer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         rope = cfg.rope_parameters or {}

@@ -23,8 +23,8 @@ from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingW
 from vlmserve.kernels import ops
 from vlmserve.models.base import VisionLanguageModel
 from vlmserve.models.context import ForwardContext
-from vlmserve.models.layers import (ACTIVATIONS, FusedLinear, GatedMLP, Linear, QKNormAttention, ZeroCenteredRMSNorm,
-                                    kept, rope_inv_freq)
+from vlmserve.models.layers import (ACTIVATIONS, Embedding, FusedLinear, GatedMLP, Linear, QKNormAttention,
+                                    ZeroCenteredRMSNorm, kept, rope_inv_freq)
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -153,7 +153,7 @@ class TextModel(nn.Module):
         super().__init__()
         if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 text models with attention soft-capping or bidirectional text are not supported")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_types = list(cfg.layer_types)

@@ -57,6 +57,20 @@ class ZeroCenteredRMSNorm(nn.Module):
         return ops.add_rms_norm_zero_centered(x, delta, self.weight, self.eps)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be an output head's weight (tied embeddings): where the
+    head's packed copy takes the table's place (`read_packed`), rows are read from it."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def read_packed(self, packed: torch.Tensor) -> None:
+        self.packed_weight = packed
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return ops.weight_rows(input_ids, self.weight, self.packed_weight)
+
+
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear`, so that a device can run it on a prepacked copy of
     the weight (`pack()`), or on a low-bit copy in its place (`quantize()`); either is
@@ -84,14 +98,18 @@ class Linear(nn.Linear):
             Linear.lora_generation += 1
         return self.lora
 
-    def pack(self, weight_shared: bool = False) -> None:
-        """weight_shared: another module reads this weight too (a head tied to the
-        embedding table), so a copy that takes its place here is made beside it."""
-        if self.quantized is None:
-            replaces = ops.packed_copy_replaces_weight(self.weight)
-            self.packed_weight = ops.pack_linear_weight(self.weight, in_place=replaces and not weight_shared)
-            if replaces and self.packed_weight is not None:  # the copy serves every row count: one copy, not two
-                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+    def pack(self, in_place: bool = True) -> bool:
+        """Makes the packed copy; True where it takes the weight's place (serving every row
+        count: one copy, not two), then made in the weight's own memory unless not
+        `in_place` (another module reads the weight too)."""
+        if self.quantized is not None:
+            return False
+        replaces = ops.packed_copy_replaces_weight(self.weight)
+        self.packed_weight = ops.pack_linear_weight(self.weight, in_place=replaces and in_place)
+        if not replaces or self.packed_weight is None:
+            return False
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return True
 
     def quantize(self, method: str) -> bool:
         """Replaces the weight by its quantized form (weight-only: activations keep their

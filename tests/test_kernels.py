@@ -413,9 +413,9 @@ def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
 
 
 def test_no_packed_layout_where_there_is_none():
-    assert Linear(8, 8).pack() is None and Linear(8, 8).packed_weight is None  # not packed until asked
+    assert Linear(8, 8).packed_weight is None  # not packed until asked
     half = Linear(8, 8).to(torch.float16)
-    half.pack()
+    assert not half.pack()
     assert half.packed_weight is None  # oneDNN packing is for fp32/bf16 only; fp16 stays plain
     x = torch.randn(16, 8, dtype=torch.float16)
     torch.testing.assert_close(half(x), F.linear(x, half.weight, half.bias))
@@ -434,26 +434,53 @@ def test_packing_is_skipped_when_the_copy_would_not_fit():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_tied_output_head_gets_a_packed_copy_and_the_same_logits(tmp_path, dtype):
     """The output head that shares the embedding table is packed like the layers (fp32
-    decoding and bf16 batches run on the packed copy), and still reads the table's values."""
-    from vlmserve.kernels import kernel_table, linear
+    decoding and bf16 batches run on the packed copy), and still reads the table's values;
+    where its pair-layout copy takes the table's place, lookups read their rows there."""
+    from vlmserve.kernels import kernel_table, linear, use_kernels
     from vlmserve.testing.checkpoints import build_qwen2_5_vl
     from vlmserve.worker.model_loader import load_model
 
     path = build_qwen2_5_vl(tmp_path / "tied", tie_word_embeddings=True)
     model, _ = load_model(path, dtype, kernel_table("cpu"))
-    table = model.model.language_model.embed_tokens.weight
-    # the head's own copy takes the table's place in the head only (bf16 on CPUs without AMX)
-    assert model.lm_head.weight is table or model.lm_head.weight.numel() == 0
-    if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
-        assert model.lm_head.packed_weight is not None
-        if model.lm_head.packed_weight.dim() == 4:  # the pair layout: a copy, lookups read the table
-            assert model.lm_head.packed_weight.data_ptr() != table.data_ptr()
-    for rows in (1, 8):
-        hidden = torch.randn(rows, table.shape[1]).to(table.dtype)
-        want = F.linear(hidden.float(), table.float())
-        torch.testing.assert_close(model.compute_logits(hidden).float(), want, atol=0.05, rtol=1e-2)
     unpacked, _ = load_model(path, dtype, kernel_table("cpu"), pack_weights=False)
     assert unpacked.lm_head is None  # no copy asked for: the table serves as the head
+    table = unpacked.model.language_model.embed_tokens.weight
+    embedding = model.model.language_model.embed_tokens
+    if dtype == "float32" or not linear.widens_bf16_layers() or linear._pairs_fit(table):
+        assert model.lm_head.packed_weight is not None
+    if linear._pairs_fit(table):  # one copy: the head's, in the pair layout
+        assert embedding.packed_weight is model.lm_head.packed_weight
+        assert embedding.weight.numel() == 0 and model.lm_head.weight.numel() == 0
+    else:
+        assert model.lm_head.weight is embedding.weight
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [64, 63, 127]])
+    with use_kernels(kernel_table("cpu")):
+        assert torch.equal(model.embed_input_ids(ids), table[ids])
+        for rows in (1, 8):
+            hidden = torch.randn(rows, table.shape[1]).to(table.dtype)
+            want = F.linear(hidden.float(), table.float())
+            torch.testing.assert_close(model.compute_logits(hidden).float(), want, atol=0.05, rtol=1e-2)
+
+
+def test_a_tied_table_is_packed_in_its_own_memory():
+    """The head's pair-layout copy is made in the table's memory (no second copy), and the
+    table's lookups read it."""
+    from vlmserve.kernels import kernel_table, linear, use_kernels
+    from vlmserve.models.layers import Embedding
+    from vlmserve.worker import model_loader
+
+    if not linear._pairs_fit(torch.empty(64, 2, dtype=torch.bfloat16)):
+        pytest.skip("the pair layout is for CPUs with AVX-512 or AVX2 and no AMX")
+
+    model = torch.nn.Module()
+    model.embed, model.head = Embedding(256, 64, dtype=torch.bfloat16), Linear(64, 256, bias=False)
+    model.head.weight = model.embed.weight
+    table, address = model.embed.weight.detach().clone(), model.embed.weight.data_ptr()
+    with use_kernels(kernel_table("cpu")):
+        model_loader.pack_linear_weights(model)
+        assert model.head.packed_weight.data_ptr() == address
+        ids = torch.arange(256).flip(0)
+        assert torch.equal(model.embed(ids), table[ids])
 
 
 @pytest.mark.parametrize("t", [1, 63, 64, 150])

@@ -7,7 +7,6 @@ import functools
 import logging
 import os
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from vlmserve.kernels import KernelTable, ops, use_kernels
 from vlmserve.kernels.cpu_extension import widens_bf16
 from vlmserve.kernels.quantized_linear import tiled_kernels_available
 from vlmserve.models import get_model_class
-from vlmserve.models.layers import Linear
+from vlmserve.models.layers import Embedding, Linear
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.models.weights import iter_safetensors, return_freed_memory
 
@@ -115,9 +114,17 @@ def pack_linear_weights(model: nn.Module, memory_share: float = 0.25) -> int:
         logger.info("linear weights not packed: a copy (%.1f GB) would take over %d%% of memory",
                     extra / 1e9, memory_share * 100)
         return 0
-    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    readers: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            readers.setdefault(id(p), []).append(module)
     for m in linears:
-        m.pack(weight_shared=owners[id(m.weight)] > 1)
+        # a head tied to the embedding table packs it in place: the table reads its rows there
+        tables = [r for r in readers[id(m.weight)] if r is not m]
+        in_place = all(isinstance(r, Embedding) for r in tables)
+        if m.pack(in_place) and in_place:
+            for table in tables:
+                table.read_packed(m.packed_weight)
     return extra if any(m.packed_weight is not None for m in linears) else 0
 
 
