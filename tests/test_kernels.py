@@ -412,6 +412,28 @@ def test_a_pair_copy_that_takes_the_weights_place_serves_every_row_count(rows):
     torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=8e-3)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_a_long_input_goes_through_the_mlp_in_slices(monkeypatch, act):
+    """Past MLP_SLICE_ROWS rows the gated MLP runs slice by slice (its activations are a
+    prompt chunk's largest temporaries): the same output as all rows at once, in the
+    input's shape, the last slice partial."""
+    from vlmserve.models import layers
+
+    torch.manual_seed(0)
+    mlp = layers.GatedMLP(64, 192, act, bias=True).to(torch.bfloat16)
+    for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.pack()
+    x = torch.randn(1, 45, 64).to(torch.bfloat16)
+    whole = mlp(x)
+    monkeypatch.setattr(layers, "MLP_SLICE_ROWS", 8)
+    rows = []
+    mlp.gate_up_proj.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    sliced = mlp(x)
+    assert rows == [8, 8, 8, 8, 8, 5]
+    assert sliced.shape == (1, 45, 64) and sliced.dtype == torch.bfloat16
+    torch.testing.assert_close(sliced.float(), whole.float(), atol=0.02, rtol=8e-3)
+
+
 def test_no_packed_layout_where_there_is_none():
     assert Linear(8, 8).packed_weight is None  # not packed until asked
     half = Linear(8, 8).to(torch.float16)

@@ -41,6 +41,27 @@ def test_image_pixels_and_grid_equal_transformers(processor, mode, size):
     assert torch.equal(ours.data["pixel_values"], ref["pixel_values"])
 
 
+def test_pictures_are_kept_in_the_models_dtype_and_encode_the_same(qwen25_path):
+    """A bf16 engine keeps pixel_values in bf16 (half the memory of waiting requests'
+    pictures): the vision tower casts them to its dtype first, so it encodes them exactly
+    as it encodes the fp32 ones."""
+    from vlmserve.kernels import kernel_table
+    from vlmserve.multimodal.inputs import MultiModalFeature
+    from vlmserve.worker.model_loader import load_model
+
+    llm = LLM(qwen25_path, dtype="bfloat16", num_kv_blocks=64)
+    data = image_bytes(picture(130, 100), "PNG")
+    kept = llm.engine.mm_processor.process(data, "image")
+    fp32 = MultiModalProcessor(qwen25_path, llm.engine.hf_config, MediaLoader()).process(data, "image")
+    assert kept.data["pixel_values"].dtype == torch.bfloat16 and kept.nbytes * 2 == fp32.nbytes
+    assert torch.equal(kept.data["pixel_values"], fp32.data["pixel_values"].to(torch.bfloat16))
+    model, _ = load_model(qwen25_path, "bfloat16", kernel_table("cpu"))
+    features = [MultiModalFeature("image", item.mm_hash, 0, item.num_tokens, item.data) for item in (kept, fp32)]
+    with torch.inference_mode():
+        encoded = model.embed_multimodal(features)
+    assert torch.equal(encoded[0], encoded[1])
+
+
 def test_sixteen_bit_and_exif_rotation(processor):
     grey16 = Image.fromarray((np.linspace(0, 65535, 64 * 48).reshape(48, 64)).astype(np.uint16))
     rgb = processor.loader.decode_image(processor.loader.read(image_bytes(grey16), "image"))

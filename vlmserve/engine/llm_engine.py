@@ -72,12 +72,6 @@ class LLMEngine:
         self.pooler = resolve_pooler(args.runner, args.pooler_config, self.model_path)  # None: it generates
         self.hidden_size = getattr(hf_config, "text_config", hf_config).hidden_size
         media_loader = MediaLoader(args.media_limits())
-        self.mm_processor = MultiModalProcessor(
-            self.model_path, hf_config, media_loader, int(args.processor_cache_gb * (1 << 30))
-        )
-        self.tokenizer = self.mm_processor.hf_processor.tokenizer
-        self.score_token_ids = classifier_token_ids(self.tokenizer, self.pooler.classifier_from_token) \
-            if self.pooler and self.pooler.classifier_from_token else None
         self.vocab_size = getattr(hf_config, "text_config", hf_config).vocab_size
         eos_ids = self._eos_token_ids(hf_config)
         self.eos_token_id = eos_ids[0] if eos_ids else None
@@ -91,6 +85,13 @@ class LLMEngine:
         core_cls = ProcessCore if args.engine_process else InProcessCore
         self.core = core_cls(args, self.model_path, self.eos_token_id, self.timer)
         info = self.core.info
+        # pictures kept in the model's dtype: its vision tower casts them first, and in bf16
+        # 32 waiting requests' pictures take half the memory (69,900 patches: 329 -> 165 MB)
+        self.mm_processor = MultiModalProcessor(self.model_path, hf_config, media_loader,
+                                                int(args.processor_cache_gb * (1 << 30)), getattr(torch, info.dtype))
+        self.tokenizer = self.mm_processor.hf_processor.tokenizer
+        self.score_token_ids = classifier_token_ids(self.tokenizer, self.pooler.classifier_from_token) \
+            if self.pooler and self.pooler.classifier_from_token else None
         self.max_model_len = info.max_model_len
         self.lora_targets = info.lora_targets
         self._checked_loras: dict[LoRARequest, LoRAAdapter] = {}

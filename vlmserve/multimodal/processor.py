@@ -116,7 +116,8 @@ def normalize_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config, media_loader: MediaLoader, cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, model_path: str, hf_config, media_loader: MediaLoader, cache_bytes: int = 256 << 20,
+                 pixel_dtype: torch.dtype = torch.float32) -> None:
         self.hf_processor = AutoProcessor.from_pretrained(model_path)
         self.image_processor = self.hf_processor.image_processor
         self.video_processor = getattr(self.hf_processor, "video_processor", None)
@@ -130,6 +131,7 @@ class MultiModalProcessor:
         # pan-and-scan settings: they take precedence over the image processor's own config)
         self.image_defaults = dict(getattr(type(self.hf_processor), "images_kwargs", None) or {})
         self.cache = ProcessorCache(cache_bytes)
+        self.pixel_dtype = pixel_dtype  # what pixel_values are kept in
 
     def process(self, source: Any, modality: str, settings: dict[str, Any] | None = None) -> ProcessedMedia:
         """Reads, hashes, and (unless cached) decodes and processes one media item."""
@@ -156,7 +158,7 @@ class MultiModalProcessor:
             out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
         except ValueError as e:  # the processor refuses some shapes (an aspect ratio over 200)
             raise MediaError(f"{raw.what}: {e}") from None
-        data = {"pixel_values": out["pixel_values"]}  # Gemma 3: the picture, then its pan-and-scan crops
+        data = {"pixel_values": out["pixel_values"].to(self.pixel_dtype)}  # Gemma 3: the picture, then its crops
         if "image_grid_thw" in out:  # Qwen: patches of a grid
             data["grid_thw"] = tuple(int(x) for x in out["image_grid_thw"][0])
         replacement = self.hf_processor.replace_image_token(out, 0)
@@ -200,7 +202,7 @@ class MultiModalProcessor:
             raise MediaError(f"{raw.what}: {e}") from None
         grid = out["video_grid_thw"]
         data = {
-            "pixel_values": out["pixel_values_videos"],
+            "pixel_values": out["pixel_values_videos"].to(self.pixel_dtype),
             "grid_thw": tuple(int(x) for x in grid[0]),
             # seconds of video per temporal grid step (Qwen2.5-VL's M-RoPE time axis)
             "second_per_grid_t": temporal / meta.sampled_fps,
