@@ -133,6 +133,11 @@ def packed_copy_replaces_weight_cpu(weight: torch.Tensor) -> bool:
     return _pairs_fit(weight)
 
 
+def is_pair_layout(packed: torch.Tensor | None) -> bool:
+    """Whether a layer's packed copy is the pair layout ([N / 64, K / 2, 64, 2]; oneDNN's is 2-D)."""
+    return packed is not None and packed.dim() == 4
+
+
 @register("weight_rows")
 def weight_rows(ids: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` of a layer's weight (an embedding lookup in a table tied to the output
@@ -145,7 +150,7 @@ def weight_rows_cpu(ids: torch.Tensor, weight: torch.Tensor, packed: torch.Tenso
     """From the pair-layout copy where it took the weight's place: row r is the r % 64th
     column of block r // 64, each of its pairs 4 bytes (a 4,096-token prompt's lookup in
     a 151,936 x 2,048 table: 19 ms, against 1.6 from the plain table)."""
-    if packed is None or packed.dim() != 4:
+    if not is_pair_layout(packed):
         return F.embedding(ids, weight)
     blocks, pairs, columns, _ = packed.shape
     flat = ids.reshape(-1)
@@ -163,7 +168,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if packed is not None and packed.dim() == 4:  # the pair-layout copy, in the plain weight's place
+    if is_pair_layout(packed):  # the pair-layout copy, in the plain weight's place
         return cpu_kernels().bf16_batch_linear(x, packed, bias)
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and rows > 0 and widens_bf16_layers():
         if rows <= WIDENING_GEMV_MAX_ROWS and _widening_gemv_fits(weight):
@@ -244,7 +249,7 @@ def has_bf16_matmul() -> bool:
 def one_row_on_pairs(weight: torch.Tensor, packed: torch.Tensor | None) -> bool:
     """Whether linear_cpu multiplies one bf16 row by this layer with bf16_batch_linear on
     its pair-layout copy."""
-    return packed is not None and packed.dim() == 4 and weight.dtype == torch.bfloat16 and cpu_extension.available()
+    return is_pair_layout(packed) and weight.dtype == torch.bfloat16 and cpu_extension.available()
 
 
 def one_row_on_bf16_gemv(weight: torch.Tensor) -> bool:

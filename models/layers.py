@@ -57,6 +57,12 @@ class ZeroCenteredRMSNorm(nn.Module):
         return ops.add_rms_norm_zero_centered(x, delta, self.weight, self.eps)
 
 
+def freed(weight: nn.Parameter) -> nn.Parameter:
+    """What stands for a weight whose memory another form took over (a packed copy, a
+    quantized one): empty, with the weight's dtype and device."""
+    return nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding whose table may be an output head's weight (tied embeddings): where the
     head's packed copy takes the table's place (`read_packed`), rows are read from it."""
@@ -65,7 +71,7 @@ class Embedding(nn.Embedding):
 
     def read_packed(self, packed: torch.Tensor) -> None:
         self.packed_weight = packed
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.weight = freed(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return ops.weight_rows(input_ids, self.weight, self.packed_weight)
@@ -108,7 +114,7 @@ class Linear(nn.Linear):
         self.packed_weight = ops.pack_linear_weight(self.weight, in_place=replaces and in_place)
         if not replaces or self.packed_weight is None:
             return False
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.weight = freed(self.weight)
         return True
 
     def quantize(self, method: str) -> bool:
@@ -151,7 +157,7 @@ class Linear(nn.Linear):
 
     def _set_quantized(self, weight: QuantizedWeight) -> None:
         self.quantized = weight
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)  # the full weight is freed
+        self.weight = freed(self.weight)
 
     def decode_projection(self) -> Projection | None:
         """Its weight (quantized, if it is), bias and packed copy, for ops.decode_layers; None
