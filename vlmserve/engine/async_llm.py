@@ -29,6 +29,7 @@ from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 
@@ -239,13 +240,16 @@ class AsyncLLM:
             return
         built.set_result(engine)
         self._stepping.wait()
+        memory = IdleMemoryReturn()
         try:
             while not self._stop.is_set():
                 # block for work only when idle; otherwise just drain what arrived
                 self._drain_commands(block=not engine.has_unfinished_requests())
-                if engine.has_unfinished_requests():
+                busy = engine.has_unfinished_requests()
+                if busy:
                     # in-process: one step; a core process: its next outputs, or a new command
                     self._publish(engine.step(self._wake_r))
+                memory.tick(busy)
                 self.stats = engine.stats()
         except BaseException as e:  # a bug, not bad input: fail every open stream loudly
             logger.exception("engine thread died")

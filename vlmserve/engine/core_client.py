@@ -27,6 +27,7 @@ from vlmserve.errors import ConfigError
 from vlmserve.engine.engine_core import CoreInfo, EngineCore, build_engine_core
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request
+from vlmserve.worker.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +187,11 @@ def run_core_process(args: EngineArgs, model_path: str, eos_token_id: int | None
         return
     outputs.send(("ready", info))
     last_stats = 0.0
+    memory = IdleMemoryReturn()
     try:
         while True:
-            if not core.has_requests():
-                commands.poll(None)  # idle: wait for a command (or the front end's exit)
+            while not core.has_requests() and not commands.poll(memory.idle_seconds / 2):
+                memory.tick(busy=False)  # idle: wait for a command (or the front end's exit)
             handled = False
             while commands.poll(0):
                 kind, payload = commands.recv()
@@ -201,6 +203,7 @@ def run_core_process(args: EngineArgs, model_path: str, eos_token_id: int | None
                 outputs.send(("outputs", ([], core.stats(), None)))
             if core.has_requests():
                 step_outputs = core.step()
+                memory.tick(busy=True)
                 now = time.monotonic()
                 idle = not core.has_requests()
                 stats = core.stats() if idle or now - last_stats > STATS_INTERVAL else None

@@ -8,14 +8,17 @@ each step maps fresh pages and faults them in again: on the peer benchmark's wor
 the process spent 11 s of 30 s CPU in the kernel, and ran at 500 tok/s. With large
 allocations kept in the heap and the heap never trimmed, sys time fell to under 1 s and
 throughput rose to 740 tok/s (GLIBC_TUNABLES with the same values gave the same). The
-price: the process keeps its peak heap (RSS does not shrink after a burst).
+price: the process keeps its peak heap while it works; an engine that has gone idle gives
+the freed part back (`give_back_freed_memory`), so RSS falls after a burst.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +26,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 30  # allocations below 1 GiB come from the heap
 TRIM_THRESHOLD = (1 << 31) - 1  # the heap top is never given back (the largest int mallopt takes)
+IDLE_SECONDS_BEFORE_GIVING_BACK = 2.0  # a chat's next turn, sooner, reuses the kept memory
 _done = False
 
 
@@ -31,14 +35,49 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
+    _done = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if not _done:
+        logger.warning("glibc refused the allocator thresholds: large temporaries will be mapped every step")
+    return _done
+
+
+def give_back_freed_memory() -> bool:
+    """Returns the heap's free pages to the system (glibc's malloc_trim: the top of the heap
+    and whole free pages inside it); True if any went back. For an engine gone idle: its
+    next step faults them in again, which costs far less than the step."""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
+
+
+class IdleMemoryReturn:
+    """Gives the freed heap back once an engine loop has been idle a while, once per idle
+    spell (and once after start-up, which frees the loader's buffers)."""
+
+    def __init__(self, idle_seconds: float = IDLE_SECONDS_BEFORE_GIVING_BACK) -> None:
+        self.idle_seconds = idle_seconds
+        self._last_busy: float | None = time.monotonic()  # None: given back since
+
+    def tick(self, busy: bool) -> None:
+        """Called by the loop on each turn, busy or idle (an idle loop turns at least every
+        idle_seconds / 2)."""
+        now = time.monotonic()
+        if busy:
+            self._last_busy = now
+        elif self._last_busy is not None and now - self._last_busy >= self.idle_seconds:
+            self._last_busy = None
+            give_back_freed_memory()
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError):  # not glibc (musl, ...)
-        return False
-    if not ok:
-        logger.warning("glibc refused the allocator thresholds: large temporaries will be mapped every step")
-    _done = ok
-    return ok
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's; musl has no malloc_trim)
+    except (OSError, AttributeError):
+        return None
+    return libc
