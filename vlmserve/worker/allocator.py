@@ -54,7 +54,7 @@ def give_back_freed_memory() -> bool:
 
 class IdleMemoryReturn:
     """Gives the freed heap back once an engine loop has been idle a while, once per idle
-    spell (and once after start-up, which frees the loader's buffers)."""
+    spell (the first one starts at start-up)."""
 
     def __init__(self, idle_seconds: float = IDLE_SECONDS_BEFORE_GIVING_BACK) -> None:
         self.idle_seconds = idle_seconds
