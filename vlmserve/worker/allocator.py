@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 30  # allocations below 1 GiB come from the heap
-TRIM_THRESHOLD = (1 << 31) - 1  # the heap top is never given back (the largest int mallopt takes)
+TRIM_THRESHOLD = (1 << 31) - 1  # glibc never trims the heap top by itself (the largest int mallopt takes)
 IDLE_SECONDS_BEFORE_GIVING_BACK = 2.0  # a chat's next turn, sooner, reuses the kept memory
 _done = False
 
