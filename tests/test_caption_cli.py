@@ -123,7 +123,8 @@ def kill_halfway_then_resume(model: str, folder: Path, out: Path, sig: int, *ext
         time.sleep(1)
         assert written_lines(out) == lines
     first = [json.loads(line) for line in lines if line.endswith("}")]  # SIGKILL may tear the last
-    assert at <= len(first) < 50
+    # the interrupted run's exit and log say where a cut came too late (a CI run once saw all 50)
+    assert at <= len(first) < 50, (proc.returncode, proc.stderr[-3000:])
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and all(line.endswith("}") for line in lines)
     result = caption(model, str(folder), "--out", str(out), *KILL_SETTINGS, *extra, "--resume")
