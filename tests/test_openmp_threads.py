@@ -1,5 +1,5 @@
 """The engine's process: it holds one team of OpenMP threads, and it gives back the memory
-its steps freed once it is idle.
+its steps freed once it is idle (a server's) or at the end of its calls (offline).
 
 One team of OpenMP threads: the engine's.
 
@@ -163,3 +163,37 @@ def test_a_server_engine_gives_memory_back_after_a_burst(qwen25_path, engine_pro
     assert run.returncode == 0, run.stderr[-2000:]
     after, lowest = map(float, run.stdout.split()[-2:])
     assert lowest < after - 8, f"resident {after:.0f} MB after the burst, {lowest:.0f} MB at the lowest while idle"
+
+
+OFFLINE_PROBE = """
+import os, sys
+import torch
+import vlmserve.worker.allocator as allocator
+from vlmserve import LLM, SamplingParams
+allocator.WORK_SECONDS_BEFORE_GIVING_BACK = float(sys.argv[2])
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+llm = LLM(sys.argv[1], num_kv_blocks=256)  # sets glibc's thresholds: the tensor below comes from the heap
+x = torch.ones(64 << 20)  # 256 MB, as a call's temporaries
+before = rss_mb()
+del x
+kept = rss_mb()
+llm.generate("Describe a picture.", SamplingParams(temperature=0, max_tokens=4))
+print(before, kept, rss_mb())
+"""
+
+
+@needs_glibc
+@pytest.mark.parametrize("work_seconds", [0, 3600])
+def test_an_offline_engine_gives_memory_back_once_its_calls_have_worked_long_enough(qwen25_path, work_seconds):
+    """`LLM` has no idle loop: a call that ends with work_seconds of calls behind it since
+    the last give-back returns the freed heap; before that, the heap is kept for the next."""
+    run = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, qwen25_path, str(work_seconds)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, kept, after = map(float, run.stdout.split()[-3:])
+    assert kept > before - 32, (before, kept)
+    if work_seconds:
+        assert after > kept - 32, f"gave memory back after less work than {work_seconds} s ({kept:.0f} -> {after:.0f} MB)"
+    else:
+        assert after < kept - 200, (kept, after)

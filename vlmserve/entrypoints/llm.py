@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
+from vlmserve.worker.allocator import GiveBackAfterWork
 
 
 class LLM:
@@ -30,6 +32,7 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
         self._pool = processing_pool(self.engine.args.processing_threads, "vlmserve-media")
+        self._memory = GiveBackAfterWork()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use when given no sampling params: vlmserve's defaults
@@ -122,6 +125,7 @@ class LLM:
                                                  priority[i] if priority else 0, lora_request=lora,
                                                  pooling_params=pooling_params))
         finished: dict[str, RequestOutput] = {}
+        start = time.monotonic()
         try:
             while feeder.pending():
                 outputs, failed = feeder.step()
@@ -131,4 +135,6 @@ class LLM:
         except BaseException:
             feeder.abort_all()  # a rejected prompt leaves nothing behind
             raise
+        finally:
+            self._memory.call_ended(time.monotonic() - start)
         return [finished[rid] for rid in ids]
