@@ -79,7 +79,8 @@ class GiveBackAfterWork:
     gives the freed heap back once the calls since the last give-back have worked
     work_seconds. Without it each call's temporaries land in different holes of the kept
     heap and the process's peak creeps up call after call (Qwen3.5 widths, 32 chats per
-    call: 8.77, 8.88, 8.93, 9.01 GB over four calls)."""
+    call: 8.77, 8.88, 8.93, 9.01 GB over four calls; 8.85, 8.91 with a give-back between,
+    what is left of the creep being KV blocks used for the first time)."""
 
     def __init__(self, work_seconds: float | None = None) -> None:
         self.work_seconds = WORK_SECONDS_BEFORE_GIVING_BACK if work_seconds is None else work_seconds
