@@ -69,7 +69,7 @@ def test_serving_pictures_starts_no_second_openmp_team(qwen25_path, probe):
     assert after == before, f"{after - before} threads more, not started by Python, after the requests"
 
 
-# -- memory: kept while the engine works, given back once it is idle ------------------------
+# -- memory: kept while the engine works, given back once idle or after a call ------------
 #
 # Each probe runs in a process of its own (glibc's thresholds are per process) and reads its
 # resident size from /proc; a 256 MB tensor comes from the heap once the thresholds are set.
@@ -92,12 +92,16 @@ print(before, kept, rss_mb())
 """
 
 
-def memory_probe(idle_seconds: float) -> tuple[float, float, float]:
-    run = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(idle_seconds)], capture_output=True, text=True,
-                         timeout=300)
+def run_probe(script: str, *args: str) -> list[float]:
+    """The resident sizes (MB) on the last line a probe prints, from a process of its own."""
+    run = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert run.returncode == 0, run.stderr[-2000:]
-    before, kept, after = map(float, run.stdout.split()[-3:])
-    return before, kept, after
+    return [float(word) for word in run.stdout.strip().splitlines()[-1].split()]
+
+
+def memory_probe(idle_seconds: float) -> list[float]:
+    return run_probe(MEMORY_PROBE, str(idle_seconds))
 
 
 needs_glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/statm"),
@@ -157,11 +161,7 @@ def test_a_server_engine_gives_memory_back_after_a_burst(qwen25_path, engine_pro
     CI venv); kept, RSS would not move at all while the engine idles (the burst is over:
     nothing else frees memory then). With an engine process, both processes count (the front end processes the pictures, the
     engine encodes them)."""
-    run = subprocess.run([sys.executable, "-c", IDLE_SERVER_PROBE, qwen25_path, str(int(engine_process))],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    after, lowest = map(float, run.stdout.split()[-2:])
+    after, lowest = run_probe(IDLE_SERVER_PROBE, qwen25_path, str(int(engine_process)))
     assert lowest < after - 8, f"resident {after:.0f} MB after the burst, {lowest:.0f} MB at the lowest while idle"
 
 
@@ -188,10 +188,7 @@ print(before, kept, rss_mb())
 def test_an_offline_engine_gives_memory_back_once_its_calls_have_worked_long_enough(qwen25_path, work_seconds):
     """`LLM` has no idle loop: a call that ends with work_seconds of calls behind it since
     the last give-back returns the freed heap; before that, the heap is kept for the next."""
-    run = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, qwen25_path, str(work_seconds)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    before, kept, after = map(float, run.stdout.split()[-3:])
+    before, kept, after = run_probe(OFFLINE_PROBE, qwen25_path, str(work_seconds))
     assert kept > before - 32, (before, kept)
     if work_seconds:
         assert after > kept - 32, f"gave memory back after less work than {work_seconds} s ({kept:.0f} -> {after:.0f} MB)"

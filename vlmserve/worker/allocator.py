@@ -77,18 +77,17 @@ class IdleMemoryReturn:
 class GiveBackAfterWork:
     """For engines run in calls (offline `LLM`), which have no idle loop: when a call ends,
     gives the freed heap back once the calls since the last give-back have worked
-    work_seconds. Without it each call's temporaries land in different holes of the kept
+    WORK_SECONDS_BEFORE_GIVING_BACK. Without it each call's temporaries land in different holes of the kept
     heap and the process's peak creeps up call after call (Qwen3.5 widths, 32 chats per
     call: 8.77, 8.88, 8.93, 9.01 GB over four calls; 8.85, 8.91 with a give-back between,
     what is left of the creep being KV blocks used for the first time)."""
 
-    def __init__(self, work_seconds: float | None = None) -> None:
-        self.work_seconds = WORK_SECONDS_BEFORE_GIVING_BACK if work_seconds is None else work_seconds
+    def __init__(self) -> None:
         self._worked = 0.0
 
     def call_ended(self, seconds: float) -> None:
         self._worked += seconds
-        if self._worked >= self.work_seconds:
+        if self._worked >= WORK_SECONDS_BEFORE_GIVING_BACK:
             self._worked = 0.0
             give_back_freed_memory()
 
