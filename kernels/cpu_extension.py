@@ -6,6 +6,11 @@ The build is keyed by the sources, the compiler flags and this CPU's instruction
 flags (it is compiled with -march=native), so a cache shared between machines never
 loads code built for another CPU. Without a C++ compiler, or if the build fails,
 `available()` is False and the ops fall back to their pure-torch implementations.
+
+`VLMSERVE_CPU_ISA=avx2` builds and picks the kernels as on a CPU with AVX2 and no AVX-512
+(AMD Zen 2/3, Intel client cores) on any AVX2 machine: what those CPUs run, checked and timed
+on an AVX-512 one (with torch's `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` for
+torch's own kernels).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC 
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-freciprocal-math", "-ffp-contract=fast", "-fopenmp"]
 DISABLE_ENV = "VLMSERVE_NO_CPU_KERNELS"  # set to 1: pure torch everywhere (for comparisons)
+ISA_ENV = "VLMSERVE_CPU_ISA"  # "native" (the default) or "avx2"
+# what every AVX2 CPU the kernels target has: AVX2, FMA, F16C, BMI (Haswell, Zen 1 and later)
+AVX2_ARCH = "x86-64-v3"
 
 
 def _cpuinfo_line(key: str) -> str:
@@ -43,8 +51,29 @@ def _cpuinfo_line(key: str) -> str:
     return ""
 
 
-def _cpu_flags() -> str:
-    return _cpuinfo_line("flags")
+@functools.cache
+def target_isa() -> str:
+    """The instruction set the kernels are built for: "native" (this CPU's) or "avx2"."""
+    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if isa not in ("native", "avx2"):
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions) or 'avx2'")
+    return isa
+
+
+@functools.cache
+def cpu_flags() -> tuple[str, ...]:
+    """This CPU's instruction-set flags, less AVX-512's and AMX's when the kernels are built
+    for AVX2."""
+    flags = _cpuinfo_line("flags").partition(":")[2].split()
+    if target_isa() == "avx2":
+        flags = [flag for flag in flags if not flag.startswith(("avx512", "amx"))]
+    return tuple(flags)
+
+
+def _compiler_flags() -> list[str]:
+    if target_isa() == "avx2":
+        return [f"-march={AVX2_ARCH}", "-mtune=native"] + [flag for flag in FLAGS if not flag.startswith("-march=")]
+    return FLAGS
 
 
 def gemv_reads_in_streams() -> bool:
@@ -58,13 +87,13 @@ def gemv_reads_in_streams() -> bool:
 @functools.cache
 def has_bf16_dot() -> bool:
     """Whether this CPU has AVX512-BF16 (the kernels built with -march=native use it)."""
-    return "avx512_bf16" in _cpu_flags().split()
+    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512F (the kernels built with -march=native use it)."""
-    return "avx512f" in _cpu_flags().split()
+    return "avx512f" in cpu_flags()
 
 
 @functools.cache
@@ -72,15 +101,14 @@ def widens_bf16() -> bool:
     """Whether bf16 layers take the kernels' AVX2 path: a CPU with AVX2 and FMA but no
     AVX512-BF16, where bf16 weights widen to fp32 in registers (csrc/bf16_gemv_widened.h,
     csrc/bf16_batch_linear.cpp)."""
-    flags = _cpu_flags().split()
-    return "avx2" in flags and "fma" in flags and not has_bf16_dot() and available()
+    return "avx2" in cpu_flags() and "fma" in cpu_flags() and not has_bf16_dot() and available()
 
 
 @functools.cache
 def has_amx() -> bool:
     """Whether the kernels can use AMX-BF16 tiles: the CPU has them, the kernels were built
     for them and Linux lets this process use them."""
-    if "amx_bf16" not in _cpu_flags().split() or not available():
+    if "amx_bf16" not in cpu_flags() or not available():
         return False
     return bool(cpu_kernels().amx_ready())
 
@@ -115,14 +143,15 @@ def _load() -> ModuleType | None:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join(FLAGS).encode() + _cpu_flags().encode() + torch.__version__.encode())
+    flags = _compiler_flags()
+    digest.update(" ".join(flags).encode() + " ".join(cpu_flags()).encode() + torch.__version__.encode())
     name = f"vlmserve_cpu_{digest.hexdigest()[:16]}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         logger.info("building vlmserve's CPU kernels (once on this machine, about 2 minutes)")
     try:
-        module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                       extra_include_paths=[str(CSRC)],
                       build_directory=str(build), is_python_module=True, verbose=False)
     except Exception as e:  # no compiler, a failed build: the torch fallbacks run
