@@ -73,12 +73,20 @@ def llama_cpp_files(folder: Path, model: str, types: list[str], notes: list[str]
 
 
 def cpu_flags() -> str:
-    """What bf16 speed depends on: printed with every benchmark."""
+    """What bf16 speed depends on: printed with every benchmark. Under VLMSERVE_CPU_ISA=avx2,
+    the flags the kernels are built for, then the CPU's own."""
+    from vlmserve.kernels import cpu_extension
+
+    def listed(flags: set[str]) -> str:
+        return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        own = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return "unknown"
-    return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    if cpu_extension.target_isa() == "native":
+        return listed(own)
+    return f"{listed(set(cpu_extension.cpu_flags()))} ({cpu_extension.ISA_ENV}=avx2 on a CPU with {listed(own)})"
 
 
 def _best_seconds(f, n: int = 5) -> float:
@@ -111,12 +119,14 @@ def machine_limits(threads: int) -> dict[str, float]:
     to the first, prefill to the last."""
     import torch
 
+    from vlmserve.kernels import cpu_extension
+
     read = read_bandwidth(threads)
     a = torch.ones(1 << 28)
     b = torch.empty_like(a)
     copy = 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a)) / 1e9
     del a, b
-    bf16 = "avx512_bf16=yes" in cpu_flags()
+    bf16 = cpu_extension.has_bf16_dot()
     x = torch.randn(4096, 4096).to(torch.bfloat16 if bf16 else torch.float32)
     peak = 2 * 4096**3 / _best_seconds(lambda: torch.mm(x, x), 3) / 1e12
     return {"read_gbs": read, "copy_gbs": copy, "matmul_tflops": peak, "matmul_dtype": "bf16" if bf16 else "fp32"}
