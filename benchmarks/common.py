@@ -73,8 +73,8 @@ def llama_cpp_files(folder: Path, model: str, types: list[str], notes: list[str]
 
 
 def cpu_flags() -> str:
-    """What bf16 speed depends on: printed with every benchmark. Under VLMSERVE_CPU_ISA=avx2,
-    the flags the kernels are built for, then the CPU's own."""
+    """What bf16 speed depends on: printed with every benchmark. Under VLMSERVE_CPU_ISA, the
+    flags the kernels are built for, then the CPU's own."""
     from vlmserve.kernels import cpu_extension
 
     def listed(flags: set[str]) -> str:
@@ -86,7 +86,8 @@ def cpu_flags() -> str:
         return "unknown"
     if cpu_extension.target_isa() == "native":
         return listed(own)
-    return f"{listed(set(cpu_extension.cpu_flags()))} ({cpu_extension.ISA_ENV}=avx2 on a CPU with {listed(own)})"
+    return (f"{listed(set(cpu_extension.cpu_flags()))} ({cpu_extension.ISA_ENV}={cpu_extension.target_isa()} "
+            f"on a CPU with {listed(own)})")
 
 
 def _best_seconds(f, n: int = 5) -> float:

@@ -7,10 +7,11 @@ flags (it is compiled with -march=native), so a cache shared between machines ne
 loads code built for another CPU. Without a C++ compiler, or if the build fails,
 `available()` is False and the ops fall back to their pure-torch implementations.
 
-`VLMSERVE_CPU_ISA=avx2` builds and picks the kernels as on a CPU with AVX2 and no AVX-512
-(AMD Zen 2/3, Intel client cores) on any AVX2 machine: what those CPUs run, checked and timed
-on an AVX-512 one (with torch's `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` for
-torch's own kernels).
+`VLMSERVE_CPU_ISA` builds and picks the kernels for an older instruction set than this
+CPU's: `avx2` as on a CPU with AVX2 and no AVX-512 (AMD Zen 2/3, Intel client cores),
+`avx512` as on one with AVX-512F and no AVX512-BF16 (Xeons from Skylake to Ice Lake). What
+those CPUs run is so checked and timed on a newer one (with torch's `ATEN_CPU_CAPABILITY` and
+`ONEDNN_MAX_CPU_ISA` for torch's own kernels).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC 
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-freciprocal-math", "-ffp-contract=fast", "-fopenmp"]
 DISABLE_ENV = "VLMSERVE_NO_CPU_KERNELS"  # set to 1: pure torch everywhere (for comparisons)
-ISA_ENV = "VLMSERVE_CPU_ISA"  # "native" (the default) or "avx2"
-# what every AVX2 CPU the kernels target has: AVX2, FMA, F16C, BMI (Haswell, Zen 1 and later)
-AVX2_ARCH = "x86-64-v3"
+ISA_ENV = "VLMSERVE_CPU_ISA"  # "native" (the default), "avx2" or "avx512"
+# each older target: the -march every CPU of its kind has (x86-64-v3: AVX2, FMA, F16C, BMI;
+# x86-64-v4: AVX-512 F, BW, CD, DQ, VL), and the AVX-512 flags it keeps (AMX's never)
+OLDER_TARGETS = {"avx2": ("x86-64-v3", ()),
+                 "avx512": ("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"))}
 
 
 def _cpuinfo_line(key: str) -> str:
@@ -53,27 +56,29 @@ def _cpuinfo_line(key: str) -> str:
 
 @functools.cache
 def target_isa() -> str:
-    """The instruction set the kernels are built for: "native" (this CPU's) or "avx2"."""
+    """The instruction set the kernels are built for: "native" (this CPU's), "avx2" or "avx512"."""
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if isa not in ("native", "avx2"):
-        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions) or 'avx2'")
+    if isa != "native" and isa not in OLDER_TARGETS:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions), "
+                         f"{', '.join(map(repr, OLDER_TARGETS))}")
     return isa
 
 
 @functools.cache
 def cpu_flags() -> tuple[str, ...]:
-    """This CPU's instruction-set flags, less AVX-512's and AMX's when the kernels are built
-    for AVX2."""
+    """This CPU's instruction-set flags, less those an older target (`VLMSERVE_CPU_ISA`) lacks."""
     flags = _cpuinfo_line("flags").partition(":")[2].split()
-    if target_isa() == "avx2":
-        flags = [flag for flag in flags if not flag.startswith(("avx512", "amx"))]
+    if target_isa() != "native":
+        kept = OLDER_TARGETS[target_isa()][1]
+        flags = [flag for flag in flags if not flag.startswith(("avx512", "amx")) or flag in kept]
     return tuple(flags)
 
 
 def _compiler_flags() -> list[str]:
-    if target_isa() == "avx2":
-        return [f"-march={AVX2_ARCH}", "-mtune=native"] + [flag for flag in FLAGS if not flag.startswith("-march=")]
-    return FLAGS
+    if target_isa() == "native":
+        return FLAGS
+    arch = OLDER_TARGETS[target_isa()][0]
+    return [f"-march={arch}", "-mtune=native"] + [flag for flag in FLAGS if not flag.startswith("-march=")]
 
 
 def gemv_reads_in_streams() -> bool:
