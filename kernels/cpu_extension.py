@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from vlmserve.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -58,9 +60,14 @@ def _cpuinfo_line(key: str) -> str:
 def target_isa() -> str:
     """The instruction set the kernels are built for: "native" (this CPU's), "avx2" or "avx512"."""
     isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
-    if isa != "native" and isa not in OLDER_TARGETS:
-        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions), "
-                         f"{', '.join(map(repr, OLDER_TARGETS))}")
+    if isa == "native":
+        return isa
+    if isa not in OLDER_TARGETS:
+        raise ConfigError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions), 'avx2' or "
+                         "'avx512'")
+    missing = {"avx2", "fma", *OLDER_TARGETS[isa][1]} - set(_cpuinfo_line("flags").partition(":")[2].split())
+    if missing:  # built so, the kernels would stop the process at their first instruction
+        raise ConfigError(f"{ISA_ENV}={isa}: this CPU has no {', '.join(sorted(missing))}")
     return isa
 
 
@@ -91,13 +98,13 @@ def gemv_reads_in_streams() -> bool:
 
 @functools.cache
 def has_bf16_dot() -> bool:
-    """Whether this CPU has AVX512-BF16 (the kernels built with -march=native use it)."""
+    """Whether the kernels are built for AVX512-BF16 (this CPU has it, no older target is set)."""
     return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
 def has_avx512() -> bool:
-    """Whether this CPU has AVX-512F (the kernels built with -march=native use it)."""
+    """Whether the kernels are built for AVX-512F (this CPU has it, no AVX2 target is set)."""
     return "avx512f" in cpu_flags()
 
 

@@ -31,8 +31,7 @@ print(cpu_extension.available(), cpu_extension.has_avx512(), cpu_extension.has_b
 # (emulated on AVX-512F, none on AVX2), int8/int4 on the AVX2 kernels, torch's capability
 EXPECTED_PATHS = {"avx2": "True False False True False True AVX2", "avx512": "True True False True True True AVX512"}
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not cpu_extension.available(), reason="vlmserve's CPU kernels are not built here")]
+SAMPLE = ROOT / "samples" / "shapes1.png"
 
 
 def older_targets() -> list:
@@ -53,6 +52,8 @@ def older_env(isa: str) -> dict[str, str]:
     return env | {cpu_extension.ISA_ENV: isa} | TORCH_CAPS[isa]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_extension.available(), reason="vlmserve's CPU kernels are not built here")
 @pytest.mark.parametrize("isa", older_targets())
 def test_an_older_build_takes_its_paths_and_passes_the_kernel_and_parity_tests(isa):
     paths = subprocess.run([sys.executable, "-c", PATHS_TAKEN], env=older_env(isa), cwd=ROOT, capture_output=True,
@@ -64,3 +65,14 @@ def test_an_older_build_takes_its_paths_and_passes_the_kernel_and_parity_tests(i
                             *TEST_FILES], env=older_env(isa), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-2000:]
     assert " passed" in tests.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("isa", ["sse", "avx10"])
+def test_an_unknown_target_is_one_line_and_exit_code_2(tmp_path, isa):
+    result = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "caption", str(SAMPLE), "--out",
+                             str(tmp_path / "c.jsonl")], env=os.environ | {cpu_extension.ISA_ENV: isa}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2
+    assert f"VLMSERVE_CPU_ISA='{isa}': use 'native' (this CPU's instructions), 'avx2' or 'avx512'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "c.jsonl").exists() or not (tmp_path / "c.jsonl").read_text()
