@@ -1,13 +1,17 @@
 """vlmserve vs transformers on a tiny random-weight Qwen2.5-VL: greedy tokens equal,
 prompt and sampled logprobs within 1e-4 (fp32), in every scheduling situation."""
 
+import os
+
 import pytest
 import torch
 
 from conftest import make_image
 from vlmserve import LLM, SamplingParams
 
-TOL = 1e-4
+# widened only where tests/older_cpus.py caps torch to an older instruction set, which moves
+# the reference itself (PARITY_TOL_UNDER_OLDER_TORCH there says by how much)
+TOL = float(os.environ.get("VLMSERVE_PARITY_TOL", "1e-4"))
 LONG_TEXT = "Describe the image. The quick brown fox jumps over the lazy dog. " * 3
 IMG_A = make_image(130, 100, seed=1)
 IMG_B = make_image(90, 180, seed=2)
