@@ -56,6 +56,10 @@ def _cpuinfo_line(key: str) -> str:
     return ""
 
 
+def _machine_flags() -> list[str]:
+    return _cpuinfo_line("flags").partition(":")[2].split()
+
+
 @functools.cache
 def target_isa() -> str:
     """The instruction set the kernels are built for: "native" (this CPU's), "avx2" or "avx512"."""
@@ -65,7 +69,7 @@ def target_isa() -> str:
     if isa not in OLDER_TARGETS:
         raise ConfigError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions), 'avx2' or "
                          "'avx512'")
-    missing = {"avx2", "fma", *OLDER_TARGETS[isa][1]} - set(_cpuinfo_line("flags").partition(":")[2].split())
+    missing = {"avx2", "fma", *OLDER_TARGETS[isa][1]} - set(_machine_flags())
     if missing:  # built so, the kernels would stop the process at their first instruction
         raise ConfigError(f"{ISA_ENV}={isa}: this CPU has no {', '.join(sorted(missing))}")
     return isa
@@ -74,7 +78,7 @@ def target_isa() -> str:
 @functools.cache
 def cpu_flags() -> tuple[str, ...]:
     """This CPU's instruction-set flags, less those an older target (`VLMSERVE_CPU_ISA`) lacks."""
-    flags = _cpuinfo_line("flags").partition(":")[2].split()
+    flags = _machine_flags()
     if target_isa() != "native":
         kept = OLDER_TARGETS[target_isa()][1]
         flags = [flag for flag in flags if not flag.startswith(("avx512", "amx")) or flag in kept]
