@@ -53,6 +53,10 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        try:  # not left running (with the Ray cluster it may have started) past the failure
+            self.stop()
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         raise RuntimeError("server did not come up:\n" + "".join(self.log))
 
     def _read_log(self):
@@ -440,11 +444,13 @@ def test_a_client_that_hangs_up_on_a_plain_request_aborts_it(server):
     conn = socket.create_connection(("127.0.0.1", server.port))
     conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    deadline = time.time() + 30
-    while time.time() < deadline and server.metric("num_requests_running") != 1:  # running: now hang up
-        time.sleep(0.02)
-    assert server.metric("num_requests_running") == 1
-    conn.close()
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and server.metric("num_requests_running") != 1:  # running: now hang up
+            time.sleep(0.02)
+        assert server.metric("num_requests_running") == 1
+    finally:
+        conn.close()  # (also when the assertion failed: the request must not outlive this test)
     deadline = time.time() + 15  # (replicas report their series every second)
     while time.time() < deadline and (server.metric("num_requests_running") or
                                       server.metric('request_success_total{finished_reason="abort"}') == aborted):

@@ -5,6 +5,7 @@ requests elsewhere, a replica killed mid-stream, the drain on SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -214,6 +215,28 @@ def test_a_request_given_up_through_the_hub_is_aborted_by_its_replica(server):
     wait_for(lambda: running() == 0 and not sum(replica_series(server, "kv_cache_blocks_in_use").values()),
              what="the replica to free the request")
     assert chat(client, make_image(90, 90, seed=7), "Describe the image.").usage.completion_tokens  # next works
+
+
+def test_a_stalled_hub_stalls_no_request(server):
+    """The hub only carries metrics and give-ups: while its process is stopped (SIGSTOP),
+    /health and /metrics answer from the ingress's last view of it and chats are served.
+    (They used to wait on the hub inside the server's event loop, and with them every
+    request of the ingress.) Once it runs again, fresh reports come through."""
+    import httpx
+    from vlmserve.entrypoints.openai.replicas import APP, HUB
+
+    hub_pid = int(ray_driver(server, f"print(ray.get(ray.get_actor({HUB!r}, namespace={APP!r})"
+                                     f".__ray_call__.remote(lambda hub: os.getpid())))"))
+    served = sum(replica_series(server, "request_success_total").values())
+    os.kill(hub_pid, signal.SIGSTOP)
+    try:
+        assert httpx.get(server.base + "/health", timeout=20).json() == {"status": "ok"}
+        assert len(replica_series(server, "num_requests_running")) == 2
+        assert chat(server.client(), make_image(100, 90, seed=9), "Describe the image.").usage.completion_tokens == 4
+    finally:
+        os.kill(hub_pid, signal.SIGCONT)
+    wait_for(lambda: sum(replica_series(server, "request_success_total").values()) > served,
+             what="the chat's report once the hub runs again")
 
 
 def test_a_replica_killed_mid_stream(server):

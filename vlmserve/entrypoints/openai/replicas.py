@@ -7,7 +7,8 @@ request's pictures from their bytes (no decoding) and hands the request to Ray S
 handle, whose router (`affinity_router.PictureAffinityRouter`) picks the replica. Each
 replica is an `AsyncLLM` (media processing, the engine) that streams `RequestOutput`s
 back. Replicas push their /metrics text to a small hub actor every second; the ingress
-serves them all with a `replica` label, plus its routing counters. Ray Serve restarts a
+reads the hub from a thread of its own (`HubView`) and serves them all with a `replica`
+label, plus its routing counters. Ray Serve restarts a
 replica that dies; the requests it was serving end with an OpenAI-format error.
 
 A request the ingress gives up on (its client hung up) is cancelled through Ray Serve,
@@ -22,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ HUB = "vlmserve-replica-hub"
 PUSH_SECONDS = 1.0  # also the longest a given-up request runs on when Ray's cancel is lost
 ABORT_MEMORY_SECONDS = 600.0  # a given-up request that reaches its replica later than this runs
 STALE_SECONDS = 5.0  # a replica that has not reported for this long is not counted healthy
+HUB_READ_SECONDS = 0.25  # how often the ingress reads the hub's reports
 TEXT_KEY_CHARS = 2000  # the opening text that names a text-only prompt
 
 
@@ -183,6 +186,42 @@ class EngineReplica:
 
 
 # ----------------------------------------------------------------------------- ingress
+class HubView:
+    """The replicas' reports as the ingress last read them from the hub, refreshed by a
+    thread of its own: /health and /metrics read this view and never wait on a Ray call in
+    the server's event loop, where a hub slow to answer stalled every request."""
+
+    def __init__(self, hub: Any) -> None:
+        self.hub = hub
+        self.lock = threading.Lock()
+        self.reports: dict[str, tuple[float, str]] = {}
+        self.read_at = 0.0  # when the hub last answered
+        self.stopped = threading.Event()
+        threading.Thread(target=self._read, name="hub-view", daemon=True).start()
+
+    def _read(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                reports = ray.get(self.hub.all.remote(), timeout=STALE_SECONDS)
+                with self.lock:
+                    self.reports, self.read_at = reports, time.time()
+            except Exception:  # a slow or stopping hub: the view ages, and goes stale
+                logger.debug("reading the replica hub failed", exc_info=True)
+            self.stopped.wait(HUB_READ_SECONDS)
+
+    def healthy(self) -> dict[str, str]:
+        """The replicas that had reported in the last STALE_SECONDS when the hub last
+        answered: name -> metrics text; none once the hub has not answered for as long."""
+        with self.lock:
+            reports, read_at = self.reports, self.read_at
+        if time.time() - read_at > STALE_SECONDS:
+            return {}
+        return {name: text for name, (at, text) in reports.items() if read_at - at < STALE_SECONDS}
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 @dataclass
 class ReplicaPool:
     """The engine as the OpenAI server sees it (engine/protocol.py's EngineClient), over a
@@ -205,6 +244,7 @@ class ReplicaPool:
     shutdown_error: str | None = None
 
     def __post_init__(self) -> None:
+        self.hub_view = HubView(self.hub)
         self.metrics = ReplicaMetrics(self)
 
     @property
@@ -260,15 +300,10 @@ class ReplicaPool:
                 self.hub.give_up.remote(request_id)  # ... and if Ray loses the cancel, the replica sees this
 
     def healthy_replicas(self) -> dict[str, str]:
-        """The replicas that reported in the last STALE_SECONDS: name -> metrics text."""
-        now = time.time()
-        return {name: text for name, (at, text) in ray.get(self.hub.all.remote()).items() if now - at < STALE_SECONDS}
+        return self.hub_view.healthy()
 
     def is_alive(self) -> bool:
-        try:
-            return bool(self.healthy_replicas())
-        except Exception:
-            return False
+        return bool(self.healthy_replicas())
 
     def abort(self, request_id: str) -> None:
         stream = self.in_flight.get(request_id)
@@ -286,6 +321,7 @@ class ReplicaPool:
         cluster it joined, its application is deleted."""
         for stream in list(self.in_flight.values()):
             stream.cancel()
+        self.hub_view.stop()
         if self.started_ray and not self.joined_cluster:
             ray.shutdown()  # stops every process of the local cluster
             return
