@@ -33,7 +33,7 @@ def free_port() -> int:
 class Server:
     """`vlmserve serve` (or `vlmserve ui`) as a real process; model None: the shipped one."""
 
-    def __init__(self, model: str | None, *extra: str, command: str = "serve") -> None:
+    def __init__(self, model: str | None, *extra: str, command: str = "serve", start_timeout: float = 120) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vlmserve.entrypoints.cli", command, "--port", str(self.port),
@@ -43,7 +43,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         threading.Thread(target=self._read_log, daemon=True).start()
-        deadline = time.time() + 120
+        deadline = time.time() + start_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("server exited:\n" + "".join(self.log))

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # a Ray cluster and two engines
 def server(qwen25_path, media_dir):
     s = Server(qwen25_path, "--replicas", "2", "--replica-cpus", "1", "--affinity-imbalance", "3",
                "--api-key", KEY, "--allowed-local-media-path", str(media_dir), "--max-request-mb", "1",
-               "--num-kv-blocks", "512")
+               "--num-kv-blocks", "512", start_timeout=300)  # a Ray cluster: 30-60 s, more on a cold or busy machine
     yield s
     s.stop()
 
