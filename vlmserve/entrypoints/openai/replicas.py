@@ -197,7 +197,7 @@ class HubView:
         self.reports: dict[str, tuple[float, str]] = {}
         self.read_at = 0.0  # when the hub last answered
         self.stopped = threading.Event()
-        threading.Thread(target=self._read, name="hub-view", daemon=True).start()
+        threading.Thread(target=self._read, name="vlmserve-hub-view", daemon=True).start()
 
     def _read(self) -> None:
         while not self.stopped.is_set():
