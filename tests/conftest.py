@@ -13,6 +13,12 @@ import os
 TEST_DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two test workers, each with a team of two OpenMP threads (and the servers they start), on
+# a machine of two cores: a team's threads spinning at a barrier hold the core that the
+# other worker's team is waiting for. Sleeping there instead (read by libgomp as torch
+# loads it, and inherited by every process a test starts): the AVX2 kernel tests' child
+# run alone 22 s, two at once 270 s each spinning and 27 s each sleeping (an Ice Lake Xeon).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest
