@@ -4,7 +4,8 @@ through the extension's own module (`cpu_kernels()`), not torch.ops (csrc/python
 
 The build is keyed by the sources, the compiler flags and this CPU's instruction-set
 flags (it is compiled with -march=native), so a cache shared between machines never
-loads code built for another CPU. Without a C++ compiler, or if the build fails,
+loads code built for another CPU, and by the sources' folder, so that two checkouts never
+rebuild each other's (`build_name`). Without a C++ compiler, or if the build fails,
 `available()` is False and the ops fall back to their pure-torch implementations.
 
 `VLMSERVE_CPU_ISA` builds and picks the kernels for an older instruction set than this
@@ -28,11 +29,10 @@ from vlmserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp",
-                                    "amx_linear.cpp", "varlen_attention.cpp", "bf16_batch_linear.cpp",
-                                    "decode_layers.cpp", "python_module.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "dispatch.h", CSRC / "round_row.h", CSRC / "bf16_gemv_widened.h",
-           CSRC / "int_gemv_avx2.h", CSRC / "paged_attention_avx2.h", CSRC / "kernels.h"]
+SOURCE_NAMES = ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp", "amx_linear.cpp",
+                "varlen_attention.cpp", "bf16_batch_linear.cpp", "decode_layers.cpp", "python_module.cpp")
+HEADER_NAMES = ("vec_math.h", "dispatch.h", "round_row.h", "bf16_gemv_widened.h", "int_gemv_avx2.h",
+                "paged_attention_avx2.h", "kernels.h")
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
 # then ran on one thread at half speed (measured). exp is the kernels' own (vec_math.h).
@@ -152,22 +152,16 @@ def _load() -> ModuleType | None:
     """Builds (or finds) and imports the kernels' module; None where they cannot be built."""
     if os.environ.get(DISABLE_ENV) == "1":
         return None
-    import torch
-
     load = _quiet_import_of_load()
-
-    digest = hashlib.sha256()
-    for source in SOURCES + HEADERS:
-        digest.update(source.read_bytes())
+    name = build_name(CSRC)
     flags = _compiler_flags()
-    digest.update(" ".join(flags).encode() + " ".join(cpu_flags()).encode() + torch.__version__.encode())
-    name = f"vlmserve_cpu_{digest.hexdigest()[:16]}"
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         logger.info("building vlmserve's CPU kernels (once on this machine, about 2 minutes)")
     try:
-        module = load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(CSRC / s) for s in SOURCE_NAMES], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"],
                       extra_include_paths=[str(CSRC)],
                       build_directory=str(build), is_python_module=True, verbose=False)
     except Exception as e:  # no compiler, a failed build: the torch fallbacks run
@@ -177,6 +171,21 @@ def _load() -> ModuleType | None:
         return None
     module.set_gemv_streams(gemv_reads_in_streams())
     return module
+
+
+def build_name(csrc: Path) -> str:
+    """The build's folder in the cache: its sources' contents, the compiler flags, the CPU's
+    flags, torch's version, and where the sources are. Two checkouts (or an installed copy
+    and a checkout) of the same sources build once each: in one folder, each one's build
+    recompiled the other's (torch's builder compiles by path), and a process of the one
+    waited minutes on the other's lock, silently."""
+    import torch
+
+    digest = hashlib.sha256(str(csrc.resolve()).encode())
+    for name in SOURCE_NAMES + HEADER_NAMES:
+        digest.update((csrc / name).read_bytes())
+    digest.update(" ".join(_compiler_flags()).encode() + " ".join(cpu_flags()).encode() + torch.__version__.encode())
+    return f"vlmserve_cpu_{digest.hexdigest()[:16]}"
 
 
 def _quiet_import_of_load():

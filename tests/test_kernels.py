@@ -722,3 +722,20 @@ def test_streamed_memory_is_zero_filled_without_being_written(nbytes):
         assert t.is_contiguous() and not t.any()
         t.fill_(float("nan"))  # memory handed back and taken again is cleared again
         del t
+
+
+def test_each_copy_of_the_kernel_sources_builds_in_a_folder_of_its_own(tmp_path):
+    """Two checkouts of the same sources (or an installed copy beside a checkout) build in
+    folders of their own: sharing one, each one's build recompiled the other's and a process
+    of the one waited minutes on the other's lock. The same copy always finds its folder,
+    and a changed source takes a new one."""
+    import shutil
+
+    copies = [tmp_path / "a", tmp_path / "b"]
+    for copy in copies:
+        shutil.copytree(cpu_extension.CSRC, copy)
+    names = [cpu_extension.build_name(copy) for copy in copies]
+    assert names[0] != names[1] and cpu_extension.build_name(cpu_extension.CSRC) not in names
+    assert cpu_extension.build_name(copies[0]) == names[0]
+    (copies[0] / "gemv.cpp").write_text((copies[0] / "gemv.cpp").read_text() + "\n")
+    assert cpu_extension.build_name(copies[0]) != names[0]
