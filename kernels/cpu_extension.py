@@ -158,7 +158,7 @@ def _load() -> ModuleType | None:
     build = cache_dir() / name
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
-        logger.info("building vlmserve's CPU kernels (once on this machine, about 2 minutes)")
+        logger.info("building vlmserve's CPU kernels (once for this install, about 2 minutes)")
     try:
         module = load(name=name, sources=[str(CSRC / s) for s in SOURCE_NAMES], extra_cflags=flags,
                       extra_ldflags=["-fopenmp"],
