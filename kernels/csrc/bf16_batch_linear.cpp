@@ -151,7 +151,7 @@ constexpr bool kOneTileAsksAhead = true;  // not measured without on such a CPU
 // second values (a mask), each vector of pairs read again for its mask rather than kept:
 // 12 accumulators, 2 widened vectors, x and the mask fill the 16 registers (kept, the
 // vectors of pairs spilled an accumulator to the stack every pair: 6 rows on an Ice Lake
-// Xeon's 256-bit units, one thread, 62-65 against 81-84 GFLOP/s at 64-256 rows)
+// Xeon's 256-bit units, one thread, 62-65 against 75-84 GFLOP/s at 64-256 rows)
 template <int R>
 inline void row_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t pairs, float* c_rows,
                      bool first, const char* ahead, const char* ahead_stop, const char* stream_end) {
