@@ -365,7 +365,9 @@ def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
         pool.save(key, live)
         pool.drain_copies()
         pool.commit()
-    assert pool.num_free() == 3 and pool.lookup("a") is not None  # "a" is now the most recent
+    # every slot but the live one holds a snapshot, none pinned: all three can be taken again
+    assert not pool.free and len(pool.snapshots) == 3 and not pool.pinned
+    assert pool.lookup("a") is not None  # "a" is now the most recent
     pool.restore(pool.snapshots["b"], live)  # "b" is read by this step: pinned
     slot = pool.take()  # evicts the least recently used unpinned one: "c"
     assert slot is not None and "c" not in pool.snapshots and set(pool.snapshots) == {"a", "b"}
@@ -373,7 +375,8 @@ def test_state_snapshots_evict_lru_never_pinned_and_not_after_a_failed_step():
     pool.save("d", live)  # then the step fails
     pool.abort_step()
     pool.commit()
-    assert pool.lookup("d") is None and pool.free and pool.num_free() == 3  # its slot is free again
+    assert pool.lookup("d") is None and pool.free == [slot]  # its slot is free again
+    assert set(pool.snapshots) == {"a", "b"} and not pool.pinned
 
 
 def test_snapshots_never_take_the_slots_kept_for_running_requests():

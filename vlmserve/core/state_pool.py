@@ -27,9 +27,6 @@ class StatePool:
         self.restores: list[tuple[int, int]] = []  # (snapshot, live) before the forward
         self.saves: list[tuple[int, int]] = []  # (live, snapshot) after the forward
 
-    def num_free(self) -> int:
-        return len(self.free) + sum(1 for s in self.snapshots.values() if s not in self.pinned)
-
     def take(self) -> int | None:
         """A free slot, evicting the least recently used snapshot if need be."""
         return self.free.pop() if self.free else self._evict_lru()
