@@ -189,7 +189,7 @@ class FusedLinear(Linear):
 
 # A prompt chunk's gate/up activations are the engine's largest temporaries (4,096 rows at
 # Qwen2.5-VL-3B's widths: 180 MB, their product 90 MB), and the allocator keeps the process's
-# peak (worker/allocator.py): longer inputs go through the MLP in slices of this many rows
+# peak (allocator.py): longer inputs go through the MLP in slices of this many rows
 # (the matmuls read the weights once per 128 rows either way). Peak RSS of 32 chats at 3B
 # widths: 4.66 -> 4.29 GB, as fast.
 MLP_SLICE_ROWS = 1024

@@ -1,6 +1,7 @@
 """The media layer: every source, every mode and container, hashing and caching, limits,
 and parity with transformers' own processors."""
 
+import contextlib
 import http.server
 import os
 import threading
@@ -357,12 +358,19 @@ def test_a_long_clip_keeps_only_the_frames_the_model_samples(qwen35_path):
     proc = MultiModalProcessor(qwen35_path, AutoConfig.from_pretrained(qwen35_path), MediaLoader())
     data = video_bytes("mp4", frames=90, fps=30)
     decoded = []
-    decode = proc.loader.decode_video
-    proc.loader.decode_video = lambda raw, choose=None: decoded.append(decode(raw, choose)) or decoded[-1]
+    decoding = proc.loader.decoding
+
+    @contextlib.contextmanager
+    def watched(raw, choose=None):
+        with decoding(raw, choose) as video:
+            decoded.append(video)
+            yield video
+
+    proc.loader.decoding = watched
     item = proc.process(data, "video")
     video = decoded[0]
     assert video.num_frames == 90 and video.kept is not None and len(video.frames) == len(video.kept) <= 8
-    full = decode(proc.loader.read(data, "video"))
+    full = proc.loader.decode_video(proc.loader.read(data, "video"))
     assert full.kept is None and len(full.frames) == 90
     assert np.array_equal(video.frames, full.frames[video.kept])
     assert item.data["grid_thw"][0] == len(video.kept) // 2

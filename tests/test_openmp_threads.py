@@ -77,7 +77,7 @@ def test_serving_pictures_starts_no_second_openmp_team(qwen25_path, probe):
 MEMORY_PROBE = """
 import os, sys, time
 import torch
-from vlmserve.worker.allocator import IdleMemoryReturn, keep_freed_memory
+from vlmserve.allocator import IdleMemoryReturn, keep_freed_memory
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 assert keep_freed_memory()
@@ -168,7 +168,7 @@ def test_a_server_engine_gives_memory_back_after_a_burst(qwen25_path, engine_pro
 OFFLINE_PROBE = """
 import os, sys
 import torch
-import vlmserve.worker.allocator as allocator
+import vlmserve.allocator as allocator
 from vlmserve import LLM, SamplingParams
 allocator.WORK_SECONDS_BEFORE_GIVING_BACK = float(sys.argv[2])
 def rss_mb():

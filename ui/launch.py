@@ -44,7 +44,9 @@ def run_ui(args) -> None:
         name = args.served_model_name or served_name(args.model, engine.model_path)
         # the API side by side is open exactly as `vlmserve serve` would be: with --api-key
         # or without; the UI's own calls go through it like any client's
-        app = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating).build_app()
+        server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating,
+                              args.allowed_lora_path)
+        app = server.build_app()
         own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         chat = ChatApp(f"http://{own}:{args.port}/v1", args.api_key, model=name, samples=samples)
         logger.info("UI and OpenAI API (%s) on http://%s:%d (API under /v1)", name, args.host, args.port)
@@ -54,4 +56,4 @@ def run_ui(args) -> None:
     if args.api_base:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=10)
     else:
-        serve_engine_app(engine, app, args)
+        serve_engine_app(engine, app, args, server)

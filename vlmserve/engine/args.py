@@ -84,6 +84,12 @@ class EngineArgs:
     max_image_pixels: int = 64 << 20  # larger pictures are refused from their header, before decoding
     max_video_mb: float = 200.0  # larger videos are refused
     media_fetch_timeout: float = 10.0  # seconds for a whole http(s) fetch
+    # memory the media decodes in flight may hold together, counted from each item's header
+    # (a picture ~16 bytes a pixel, a video 6 bytes a pixel of each kept frame): an item
+    # needing more alone is refused; others wait for their share, for up to
+    # --media-decode-wait seconds, then get a 503
+    media_decode_memory_gb: float = 2.0
+    media_decode_wait: float = 60.0
     image_background: tuple[int, int, int] = (255, 255, 255)  # R,G,B under transparent pixels
     processor_cache_gb: float = 0.25  # decoded and resized media kept for repeats
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)  # JSON: defaults for every media item
@@ -162,6 +168,8 @@ class EngineArgs:
             allowed_media_domains=list(self.allowed_media_domains),
             fetch_timeout=self.media_fetch_timeout,
             background=tuple(self.image_background),
+            decode_memory_bytes=int(self.media_decode_memory_gb * (1 << 30)),
+            decode_wait_seconds=self.media_decode_wait,
         )
 
     def grammar_limits(self) -> GrammarLimits:

@@ -29,7 +29,7 @@ from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.worker.allocator import IdleMemoryReturn
+from vlmserve.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,10 @@ class AsyncLLM:
                  metrics_names: str = "vllm") -> None:
         """served_model_name: the name its metrics carry (default: the model's folder or hub
         id); metrics_names: vLLM's series names ("vllm") or vlmserve's older ones."""
-        self.max_pending = max_pending_requests
+        self.max_pending_requests = max_pending_requests
         self.pool = processing_pool(args.processing_threads, "vlmserve-media")
+        # prompts without media never queue behind pictures waiting for decode memory
+        self.text_pool = processing_pool(2, "vlmserve-text")
         self.large_pool = processing_pool(1, "vlmserve-large-prompt")
         self._commands: queue.Queue = queue.Queue()
         # written to with every command: wakes the engine thread while it waits for the
@@ -130,7 +132,8 @@ class AsyncLLM:
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         """The tokens a prompt becomes (its media processed), in the media pool."""
         loop = asyncio.get_running_loop()
-        processed = await loop.run_in_executor(self.pool, self._engine.process_inputs, f"tokenize-{uuid.uuid4().hex}",
+        processed = await loop.run_in_executor(self._pool_for(prompt), self._engine.process_inputs,
+                                               f"tokenize-{uuid.uuid4().hex}",
                                                prompt, SamplingParams(max_tokens=1))
         return processed.request.prompt_token_ids
 
@@ -161,7 +164,7 @@ class AsyncLLM:
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             pending = sum(n for _, _, n in self._streams.values())
-            if pending + params.n > self.max_pending:
+            if pending + params.n > self.max_pending_requests:
                 raise QueueFullError(f"the server has {pending} completions in flight (a request asking for n "
                                      f"counts n); try again later")
             if request_id in self._streams:
@@ -170,7 +173,7 @@ class AsyncLLM:
         finished = False
         try:
             grammar = self._engine.compile_grammar(params)
-            pool = self.large_pool if _prompt_chars(prompt) > LARGE_PROMPT_CHARS else self.pool
+            pool = self._pool_for(prompt)
             processed: ProcessedRequest = await loop.run_in_executor(
                 pool, self._engine.process_inputs, request_id, prompt, params, priority, cache_salt, time.time(),
                 lora_request, pooling_params)
@@ -191,7 +194,14 @@ class AsyncLLM:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
+                logger.info("request %s aborted before it finished: its caller stopped waiting (a client that "
+                            "hung up, or a shutdown)", request_id)
                 self._command("abort", request_id)
+
+    def _pool_for(self, prompt: Any) -> Any:
+        if _prompt_chars(prompt) > LARGE_PROMPT_CHARS:
+            return self.large_pool
+        return self.pool if _has_media(prompt) else self.text_pool
 
     def abort(self, request_id: str) -> None:
         self._command("abort", request_id)
@@ -210,20 +220,11 @@ class AsyncLLM:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Waits until no request is in flight (for a graceful shutdown)."""
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if not self._streams:
-                return True
-            time.sleep(0.05)
-        return not self._streams
-
     def shutdown(self) -> None:
         self._stop.set()
         self._command("wake", None)
         self._thread.join(timeout=10)
-        for pool in (self.pool, self.large_pool):
+        for pool in (self.pool, self.text_pool, self.large_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self._engine.shutdown()
 
@@ -326,6 +327,11 @@ class AsyncLLM:
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for out_queue, item in items:
         out_queue.put_nowait(item)
+
+
+def _has_media(prompt: Any) -> bool:
+    media = prompt.get("multi_modal_data") if isinstance(prompt, dict) else getattr(prompt, "media", None)
+    return bool(media) and any(bool(items) for items in media.values())
 
 
 def _prompt_chars(prompt: Any) -> int:

@@ -27,7 +27,7 @@ from vlmserve.errors import ConfigError
 from vlmserve.engine.engine_core import CoreInfo, EngineCore, build_engine_core
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request
-from vlmserve.worker.allocator import IdleMemoryReturn
+from vlmserve.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 

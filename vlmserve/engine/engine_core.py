@@ -23,7 +23,7 @@ from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
 from vlmserve.spec_decode.draft_model import load_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
-from vlmserve.worker.allocator import keep_freed_memory
+from vlmserve.allocator import keep_freed_memory
 from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.model_runner import ModelRunner

@@ -73,6 +73,27 @@ def _is_frame(x: Any) -> bool:
     return isinstance(x, Image.Image) or (hasattr(x, "ndim") and x.ndim == 3)
 
 
+def max_chars_per_token(tokenizer) -> int:
+    """No token covers more characters than its longest entry in the vocabulary: a text
+    longer than that many characters per token of context cannot fit, whatever it says."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def check_prompt_text(text: str, max_model_len: int, chars_per_token: int) -> None:
+    """Cheap refusals before tokenizing: text that is not valid Unicode, or longer than the
+    context at the most characters a token can cover."""
+    if not isinstance(text, str):
+        raise ValueError(f"the prompt must be text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode text (a lone surrogate {text[e.start]!r} at "
+                         f"character {e.start})") from None
+    if len(text) > max_model_len * chars_per_token:
+        raise ValueError(f"the prompt is {len(text)} characters, more than the model's context of "
+                         f"{max_model_len} tokens can hold")
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -104,9 +125,7 @@ class InputProcessor:
         # Qwen's placeholder is its pad token; Gemma 3's is <start_of_image>, which its replacement repeats
         self.placeholder_id = {m: tokenizer.convert_tokens_to_ids(p) for m, p in self.placeholder.items() if p}
         self.bidirectional_media = getattr(model_cls, "bidirectional_media", False)
-        # no token covers more characters than its longest entry in the vocabulary: a text
-        # longer than that many characters per token of context cannot fit, whatever it says
-        self.max_chars_per_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.chars_per_token = max_chars_per_token(tokenizer)
         message_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.message_end_id = message_end if isinstance(message_end, int) and message_end >= 0 else None
 
@@ -128,7 +147,7 @@ class InputProcessor:
         if inp.prompt is None and inp.prompt_token_ids is None:
             raise ValueError("a prompt needs 'prompt' text or 'prompt_token_ids'")
         if inp.prompt is not None:
-            self.check_text(inp.prompt)
+            check_prompt_text(inp.prompt, self.max_model_len, self.chars_per_token)
         normalize_settings(inp.mm_processor_kwargs)  # checked even when the prompt has no media
         for modality, items in inp.media.items():
             limit = self.limits.get(modality, 0)
@@ -165,20 +184,6 @@ class InputProcessor:
         )
         request.cache_points = self._cache_points(token_ids, features)
         return request
-
-    def check_text(self, text: str) -> None:
-        """Cheap refusals before tokenizing: text that is not valid Unicode, or too long to
-        fit the context at the most characters a token can cover."""
-        if not isinstance(text, str):
-            raise ValueError(f"the prompt must be text, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"the prompt is not valid Unicode text (a lone surrogate {text[e.start]!r} at "
-                             f"character {e.start})") from None
-        if len(text) > self.max_model_len * self.max_chars_per_token:
-            raise ValueError(f"the prompt is {len(text)} characters, more than the model's context of "
-                             f"{self.max_model_len} tokens can hold")
 
     def _process_item(self, modality: str, source: Any, settings: dict[str, Any], index: int) -> ProcessedMedia:
         try:

@@ -25,6 +25,7 @@ class EngineClient(Protocol):
     task: str  # "generate", or a pooling runner's "embed" (vectors) or "score" (a reranker's scores)
     sampling_defaults: dict[str, Any]  # the checkpoint's generation_config.json settings (unless turned off)
     metrics: MetricsSource
+    max_pending_requests: int | None  # completions in flight at most (None: no one cap, as for replicas)
     death_listeners: list[Callable[[BaseException], None]]  # called if the engine stops for good
 
     @property

@@ -146,6 +146,9 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as in vLLM); turns on --enable-lora")
+    group.add_argument("--allowed-lora-path", default=None,
+                       help="adapters loaded at run time must lie under this folder (default: any folder the "
+                            "server can read, which the log warns about)")
 
 
 def add_replica_args(p: argparse.ArgumentParser) -> None:

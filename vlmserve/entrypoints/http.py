@@ -40,6 +40,7 @@ class HTTPLimits:
 
 
 LINGER_SECONDS = 2.0
+Authorizer = Callable[[str, dict[bytes, bytes]], "str | None"]
 
 
 class _LingeringTransport:
@@ -112,9 +113,10 @@ class RequestGuard:
     """ASGI middleware: caps the requests served at once, reads each request's body up
     to the cap and within the time limit, then hands it to the app (from memory)."""
 
-    def __init__(self, app, limits: HTTPLimits) -> None:
+    def __init__(self, app, limits: HTTPLimits, unauthorized: Authorizer | None = None) -> None:
         self.app = app
         self.limits = limits
+        self.unauthorized = unauthorized
         self.active = 0
 
     async def __call__(self, scope, receive, send) -> None:
@@ -129,8 +131,12 @@ class RequestGuard:
             self.active -= 1
 
     async def _guarded(self, scope, receive, send) -> None:
+        headers = dict(scope["headers"])
+        denied = self.unauthorized(scope["path"], headers) if self.unauthorized else None
+        if denied:  # before a byte of the body is read
+            return await _error(send, 401, denied, code="invalid_api_key")
         cap = self.limits.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length", b"")
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > cap:
             return await _error(send, 413, f"request body is {int(declared)} bytes, over the {cap}-byte limit")
         chunks, size = [], 0
@@ -164,10 +170,10 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
 
-async def _error(send, status: int, message: str) -> None:
+async def _error(send, status: int, message: str, code: str | None = None) -> None:
     from vlmserve.entrypoints.openai.protocol import OpenAIError
 
-    body = json.dumps(OpenAIError(status, message).body()).encode()
+    body = json.dumps(OpenAIError(status, message, code=code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
@@ -202,10 +208,12 @@ class _DrainingServer(uvicorn.Server):
 
 
 def make_server(app, host: str, port: int, log_level: str, limits: HTTPLimits,
-                on_drain_deadline: Callable[[], None]) -> _DrainingServer:
+                on_drain_deadline: Callable[[], None], unauthorized: Authorizer | None = None) -> _DrainingServer:
+    """unauthorized(path, headers): why a request is refused a 401 before its body is read,
+    or None."""
     protocol = type("Protocol", (GuardedH11Protocol,), {"header_timeout": limits.header_timeout})
     config = uvicorn.Config(
-        RequestGuard(app, limits), host=host, port=port, log_level=log_level.lower(), http=protocol,
+        RequestGuard(app, limits, unauthorized), host=host, port=port, log_level=log_level.lower(), http=protocol,
         timeout_keep_alive=int(limits.keep_alive_timeout),
         # uvicorn cancels what is left a little after the drain deadline has ended it
         timeout_graceful_shutdown=int(limits.drain_timeout) + 5,

@@ -18,7 +18,7 @@ from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.worker.allocator import GiveBackAfterWork
+from vlmserve.allocator import GiveBackAfterWork
 
 
 class LLM:

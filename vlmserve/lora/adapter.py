@@ -49,35 +49,76 @@ class LoRAAdapter:
     touches_vision: bool
 
 
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes a few KB
+MAX_PATTERN_CHARS = 256
+
+
 def configured_rank(path: str) -> int | None:
     """The largest rank an adapter's config gives (None: no readable config)."""
     try:
-        config = json.loads((Path(path) / "adapter_config.json").read_text())
-    except (OSError, ValueError):
+        config = read_config(path)
+    except LoRAError:
         return None
-    return max([int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
+    return max([config.get("r", 8), *(config.get("rank_pattern") or {}).values()])
+
+
+def read_config(path: str) -> dict:
+    """adapter_config.json, read within a size bound and checked field by field."""
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file():
+        raise LoRAError(f"{path}: no adapter_config.json (expected a PEFT LoRA adapter folder)")
+    if config_file.stat().st_size > MAX_CONFIG_BYTES:
+        raise LoRAError(f"{path}: adapter_config.json is over {MAX_CONFIG_BYTES >> 20} MB; PEFT writes a few KB")
+    try:
+        config = json.loads(config_file.read_bytes())
+    except (ValueError, RecursionError):
+        raise LoRAError(f"{path}: adapter_config.json is not valid JSON (or nested too deep)") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{path}: adapter_config.json must hold a JSON object, not a {type(config).__name__}")
+    _check_numbers(path, config)
+    _check_config(path, config)
+    return config
+
+
+def _check_numbers(path: str, config: dict) -> None:
+    """The settings vlmserve computes with: ranks whole and positive, alphas finite numbers,
+    per-module patterns module names (a pattern is a regex in PEFT: plain names only, so a
+    config cannot make matching take exponential time)."""
+    def rank(value: object, where: str) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LoRAError(f"{path}: {where} must be a whole number of at least 1, got {value!r}")
+
+    def alpha(value: object, where: str) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise LoRAError(f"{path}: {where} must be a finite number, got {value!r}")
+
+    rank(config.get("r", 8), "r")
+    alpha(config.get("lora_alpha", 8), "lora_alpha")
+    for field, check in (("rank_pattern", rank), ("alpha_pattern", alpha)):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict):
+            raise LoRAError(f"{path}: {field} must be an object of module name -> value")
+        for key, value in patterns.items():
+            if len(key) > MAX_PATTERN_CHARS or not re.fullmatch(r"[\w.\-]+", key):
+                raise LoRAError(f"{path}: {field} key {key[:64]!r} is not a module name")
+            check(value, f"{field}[{key!r}]")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise LoRAError(f"{path}: use_rslora must be true or false")
 
 
 def read_adapter(path: str, targets: dict[str, LoRATarget], max_rank: int, canonical: Callable[[str], str],
                  weights: bool = True) -> LoRAAdapter:
     """The adapter in `path`, checked against the model's `targets`; LoRAError if it
-    cannot be served. With weights=False only its shapes are read (a cheap check)."""
+    cannot be served. With weights=False its tensors are read and checked, and only their
+    shapes kept."""
     folder = Path(path)
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file():
-        raise LoRAError(f"{path}: no adapter_config.json (expected a PEFT LoRA adapter folder)")
-    config = json.loads(config_file.read_text())
-    _check_config(path, config)
+    config = read_config(path)
+    weights_file = folder / "adapter_model.safetensors"
     if not weights_file.is_file():
         what = "only adapter_model.bin: save it as safetensors" if (folder / "adapter_model.bin").is_file() else \
             "no adapter_model.safetensors"
         raise LoRAError(f"{path}: {what}")
-    pieces: dict[str, dict[str, torch.Tensor | tuple[int, ...]]] = {}
-    with safe_open(str(weights_file), framework="pt") as f:
-        for key in f.keys():
-            module, part = _split_key(path, key)
-            pieces.setdefault(canonical(module + ".weight").removesuffix(".weight"), {})[part] = \
-                f.get_tensor(key) if weights else tuple(f.get_slice(key).get_shape())
+    pieces = _read_tensors(path, weights_file, canonical, weights)
     modules, rank = {}, 0
     for module, parts in pieces.items():
         target = targets.get(module)
@@ -102,6 +143,28 @@ def read_adapter(path: str, targets: dict[str, LoRATarget], max_rank: int, canon
     if not modules:
         raise LoRAError(f"{path}: the adapter has no LoRA weights")
     return LoRAAdapter(path, rank, modules, any(targets[m].vision for m in modules))
+
+
+def _read_tensors(path: str, weights_file: Path, canonical: Callable[[str], str],
+                  keep: bool) -> dict[str, dict[str, torch.Tensor | tuple[int, ...]]]:
+    """module -> {"A": ..., "B": ...}: each tensor, checked finite, kept or (keep=False) only
+    its shape."""
+    pieces: dict[str, dict[str, torch.Tensor | tuple[int, ...]]] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt") as f:
+            for key in f.keys():
+                module, part = _split_key(path, key)
+                tensor = f.get_tensor(key)
+                if not torch.isfinite(tensor).all():
+                    raise LoRAError(f"{path}: {key} holds NaN or infinite values")
+                pieces.setdefault(canonical(module + ".weight").removesuffix(".weight"), {})[part] = \
+                    tensor if keep else tuple(tensor.shape)
+    except LoRAError:
+        raise
+    except Exception:  # safetensors' own error type, or an OS error: the file is what is wrong
+        raise LoRAError(f"{path}: adapter_model.safetensors is not a readable safetensors file (truncated, "
+                        f"damaged or not safetensors)") from None
+    return pieces
 
 
 def _as_matrix(shape: tuple[int, ...]) -> tuple[int, ...]:

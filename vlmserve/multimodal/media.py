@@ -21,7 +21,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,16 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from vlmserve.multimodal.decode_budget import DecodeBudget, image_decode_bytes, video_decode_bytes
+
 
 FrameChooser = Callable[[int, "float | None"], Any]  # (frames in the video, fps) -> indices to keep
 
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"}
+GREY_HIGH_DEPTH = ("I;16", "I;16B", "I;16L", "I", "F")  # scaled to 8 bits, not clipped
+STRIP_ROWS = 256  # rows converted to RGB at a time
 
 
 def modality_of(path: str) -> str | None:
@@ -68,11 +73,16 @@ class DecodedVideo:
         self.num_frames = self.num_frames or len(self.frames)
 
     def select(self, indices: np.ndarray) -> np.ndarray:
-        """The frames at these indices of the video (all of them must have been kept)."""
+        """The frames at these indices of the video (all of them must have been kept); the
+        kept frames themselves, not a copy, where they are all asked for in order."""
         if self.kept is None:
-            return self.frames[indices]
-        position = {i: p for p, i in enumerate(self.kept)}
-        return self.frames[[position[int(i)] for i in indices]]
+            positions = [int(i) for i in indices]
+        else:
+            position = {i: p for p, i in enumerate(self.kept)}
+            positions = [position[int(i)] for i in indices]
+        if positions == list(range(len(self.frames))):
+            return self.frames
+        return self.frames[positions]
 
 
 @dataclass
@@ -86,11 +96,16 @@ class MediaLimits:
     allowed_media_domains: list[str] = field(default_factory=list)  # hosts http(s) may fetch from
     fetch_timeout: float = 10.0
     background: tuple[int, int, int] = (255, 255, 255)  # for transparent images, as transformers
+    # what the decodes in flight may hold together (one item alone no more), and how long
+    # an item waits for its share before the server answers busy (decode_budget.py)
+    decode_memory_bytes: int = 2 << 30
+    decode_wait_seconds: float = 60.0
 
 
 class MediaLoader:
     def __init__(self, limits: MediaLimits | None = None) -> None:
         self.limits = limits or MediaLimits()
+        self.budget = DecodeBudget(self.limits.decode_memory_bytes, self.limits.decode_wait_seconds)
 
     def read(self, source: Any, modality: str) -> RawMedia:
         """Reads a source (checking where it may come from and how big it is)."""
@@ -118,68 +133,158 @@ class MediaLoader:
             return RawMedia("video", data, what)
         raise MediaError(f"unsupported modality {modality!r}")
 
-    # -- images ---------------------------------------------------------------------------
-    def decode_image(self, raw: RawMedia) -> Image.Image:
+    # -- decoding, within the decode budget ----------------------------------------------
+    @contextmanager
+    def decoding(self, raw: RawMedia, choose: FrameChooser | None = None) -> Iterator[Any]:
+        """The item decoded (an RGB picture, or a DecodedVideo of the frames `choose`
+        picks), holding its share of the decode budget for the block, in which the caller
+        processes it: its size is checked from the header first, and an item that alone
+        needs more memory than the budget is refused before anything is decoded."""
+        if raw.modality == "image":
+            img = raw.decoded if raw.decoded is not None else self._open_image(raw)
+            with self._holding(image_decode_bytes(img.width, img.height), raw.what):
+                # rebound, so that the decoded picture is let go once its RGB copy is made
+                img = self._to_rgb(img if raw.decoded is not None else self._loaded(img, raw.what))
+                yield img
+            return
         if raw.decoded is not None:
-            return self._to_rgb(raw.decoded)
+            video = raw.decoded
+            with self._holding(video_decode_bytes(len(video.frames), *video.frames.shape[1:3]), raw.what):
+                yield video
+            return
+        with self._decoded_video(raw.content, raw.what, choose) as video:
+            yield video
+
+    def decode_image(self, raw: RawMedia) -> Image.Image:
+        with self.decoding(raw) as img:
+            return img
+
+    def decode_video(self, raw: RawMedia, choose: FrameChooser | None = None) -> DecodedVideo:
+        """All frames, or only those choose(num_frames, fps) picks: the others are decoded
+        (they must be, to reach the next) but never converted to RGB nor kept — a long
+        clip costs a few frames' memory."""
+        with self.decoding(raw, choose) as video:
+            return video
+
+    @contextmanager
+    def _holding(self, nbytes: int, what: str) -> Iterator[None]:
+        budget = self.budget
+        if nbytes > budget.capacity:
+            raise MediaError(f"{what} needs about {nbytes >> 20} MB of memory to decode, over the "
+                             f"{budget.capacity >> 20} MB the server decodes media in (--media-decode-memory-gb)")
+        with budget.hold(nbytes):
+            yield
+
+    # -- images ---------------------------------------------------------------------------
+    def _open_image(self, raw: RawMedia) -> Image.Image:
+        """The picture with its header read, its pixels not yet decoded."""
         what = raw.what
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 img = Image.open(io.BytesIO(raw.content))
-            # the header gives the size: refuse a decompression bomb before decoding it
-            w, h = img.size
-            if w * h > self.limits.max_image_pixels:
-                raise MediaError(f"{what} is {w}x{h} pixels, over the {self.limits.max_image_pixels}-pixel limit")
-            img.load()
-            return self._to_rgb(ImageOps.exif_transpose(img))
-        except MediaError:
-            raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise MediaError(f"{what} is too large to decode: {e}") from None
         except Image.UnidentifiedImageError:
             raise MediaError(f"{what} is not a readable image (not a known image format)") from None
         except Exception as e:  # PIL raises many types for broken files
             raise MediaError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
+        w, h = img.size
+        if w * h > self.limits.max_image_pixels:
+            raise MediaError(f"{what} is {w}x{h} pixels, over the {self.limits.max_image_pixels}-pixel limit")
+        return img
+
+    @staticmethod
+    def _loaded(img: Image.Image, what: str) -> Image.Image:
+        try:
+            img.load()
+            ImageOps.exif_transpose(img, in_place=True)
+        except Exception as e:  # PIL raises many types for broken files
+            raise MediaError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
+        return img
 
     def _to_rgb(self, img: Image.Image) -> Image.Image:
+        """RGB as transformers makes it (transparency over the background), made a strip of
+        rows at a time: beside the picture, only its RGB copy and one strip are held."""
         if img.mode == "RGB":
             return img
-        if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / float grey: scale to 8 bits
+        scale = None
+        if img.mode in GREY_HIGH_DEPTH:  # scaled to 8 bits by the picture's own range
+            scale = 65535.0 if img.getextrema()[1] > 255 else 255.0
+        alpha = scale is None and ("A" in img.getbands() or img.info.get("transparency") is not None)
+        out = Image.new("RGB", img.size)
+        for top in range(0, img.height, STRIP_ROWS):
+            box = (0, top, img.width, min(top + STRIP_ROWS, img.height))
+            out.paste(self._strip_to_rgb(img.crop(box), scale, alpha), box[:2])
+        return out
+
+    def _strip_to_rgb(self, img: Image.Image, scale: float | None, alpha: bool) -> Image.Image:
+        if scale is not None:
             arr = np.asarray(img, dtype=np.float64)
-            top = 65535.0 if arr.max() > 255 else 255.0
-            img = Image.fromarray((arr / top * 255).round().clip(0, 255).astype(np.uint8))
-        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            return Image.fromarray((arr / scale * 255).round().clip(0, 255).astype(np.uint8)).convert("RGB")
+        if alpha:
             rgba = img.convert("RGBA")
             background = Image.new("RGBA", rgba.size, self.limits.background + (255,))
             return Image.alpha_composite(background, rgba).convert("RGB")
         return img.convert("RGB")
 
     # -- videos ---------------------------------------------------------------------------
-    def decode_video(self, raw: RawMedia, choose: FrameChooser | None = None) -> DecodedVideo:
-        """All frames, or, when the container tells its frame count up front, only those
-        choose(num_frames, fps) picks: the others are decoded (they must be, to reach the
-        next) but never converted to RGB nor kept — a long clip costs a few frames' memory."""
-        if raw.decoded is not None:
-            return raw.decoded
-        return self._decode_video(raw.content, raw.what, choose)
-
-    def _decode_video(self, data: bytes, what: str, choose: FrameChooser | None) -> DecodedVideo:
+    @contextmanager
+    def _decoded_video(self, data: bytes, what: str, choose: FrameChooser | None) -> Iterator[DecodedVideo]:
+        """Reads the container's frame count (or counts its packets), picks the frames to
+        keep, holds their decode memory, and decodes. Where the count was wrong, the frames
+        are picked again from the true one and decoded again, within the memory held."""
         import av
 
         try:
             with av.open(io.BytesIO(data)) as container:
-                if not container.streams.video:
-                    raise MediaError(f"{what} has no video stream")
-                stream = container.streams.video[0]
-                if stream.width * stream.height > self.limits.max_video_frame_pixels:
-                    raise MediaError(f"{what} frames are {stream.width}x{stream.height}, over the pixel limit")
+                stream = self._video_stream(container, what)
+                size, rate = (stream.width, stream.height), stream.average_rate or stream.guessed_rate
+                fps = float(rate) if rate else None
+                count = stream.frames or _count_packets(container, stream)
+        except MediaError:
+            raise
+        except Exception as e:  # av raises its own error types for broken containers
+            raise MediaError(f"{what} is not a readable video ({type(e).__name__}: {e})") from None
+        if not count:
+            raise MediaError(f"{what} has no decodable frame")
+        wanted = self._wanted(min(count, self.limits.max_video_frames), fps, choose)
+        room = len(wanted) + max(2, len(wanted) // 8)  # a count a little off decodes again within this
+        with self._holding(video_decode_bytes(room, *size), what):
+            video = self._decode_frames(data, what, wanted)
+            if video.num_frames != count:
+                again = self._wanted(video.num_frames, fps, choose)
+                if len(again) > room:
+                    raise MediaError(f"{what} says it has {count} frames but holds {video.num_frames}")
+                if again != wanted:
+                    video = self._decode_frames(data, what, again)
+            yield video
+
+    def _video_stream(self, container, what: str):
+        if not container.streams.video:
+            raise MediaError(f"{what} has no video stream")
+        stream = container.streams.video[0]
+        if stream.width * stream.height > self.limits.max_video_frame_pixels:
+            raise MediaError(f"{what} frames are {stream.width}x{stream.height}, over the pixel limit")
+        return stream
+
+    @staticmethod
+    def _wanted(count: int, fps: float | None, choose: FrameChooser | None) -> list[int]:
+        if choose is None:
+            return list(range(count))
+        return sorted({int(i) for i in choose(count, fps) if 0 <= int(i) < count})
+
+    def _decode_frames(self, data: bytes, what: str, wanted: list[int]) -> DecodedVideo:
+        """Decodes every frame, keeping (as RGB) those in `wanted`, in an array made once."""
+        import av
+
+        keep = set(wanted)
+        frames, kept, count, broken = None, [], 0, 0
+        try:
+            with av.open(io.BytesIO(data)) as container:
+                stream = self._video_stream(container, what)
                 rate = stream.average_rate or stream.guessed_rate
-                declared = stream.frames or 0
-                wanted = None
-                if choose is not None and declared:
-                    wanted = {int(i) for i in choose(declared, float(rate) if rate else None)}
-                frames, kept, count, broken = [], [], 0, 0
+                frames = np.empty((len(wanted), stream.height, stream.width, 3), np.uint8)
                 # packet by packet, so that a damaged frame is skipped, not fatal
                 for packet in container.demux(stream):
                     try:
@@ -190,8 +295,10 @@ class MediaLoader:
                     for frame in decoded:
                         if count >= self.limits.max_video_frames:
                             raise MediaError(f"{what} has more than {self.limits.max_video_frames} frames")
-                        if wanted is None or count in wanted:
-                            frames.append(frame.to_ndarray(format="rgb24"))
+                        if count in keep:
+                            if (frame.width, frame.height) != (stream.width, stream.height):
+                                raise MediaError(f"{what} changes its frame size mid-stream")
+                            frames[len(kept)] = frame.to_ndarray(format="rgb24")
                             kept.append(count)
                         count += 1
         except MediaError:
@@ -201,9 +308,8 @@ class MediaLoader:
         if not count:
             detail = f" ({broken} damaged packet(s))" if broken else ""
             raise MediaError(f"{what} has no decodable frame{detail}")
-        if wanted is not None and count != declared:  # the header's count was wrong: keep every frame
-            return self._decode_video(data, what, None)
-        return DecodedVideo(np.stack(frames), float(rate) if rate else None, count, None if wanted is None else kept)
+        every = len(kept) == count
+        return DecodedVideo(frames[: len(kept)], float(rate) if rate else None, count, None if every else kept)
 
     # -- sources -------------------------------------------------------------------------
     def _read(self, source: Any, max_bytes: int, kind: str) -> tuple[bytes, str]:
@@ -217,7 +323,7 @@ class MediaLoader:
                 raise MediaError(f"unsupported {kind} input of type {type(source).__name__}")
             source = str(source)
             if source.startswith("data:"):
-                data, what = _decode_data_url(source), f"{kind} data URL"
+                data, what = _decode_data_url(source, kind), f"{kind} data URL"
             elif source.startswith(("http://", "https://")):
                 data, what = self._fetch(source, max_bytes), source
             elif re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", source) and not source.startswith("file://"):
@@ -354,6 +460,12 @@ class _SameHostRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+def _count_packets(container, stream) -> int:
+    """A video's frames, for a container that does not say: its packets (one frame each
+    for the codecs in use; the decode checks, media.py's caller decodes again if not)."""
+    return sum(1 for packet in container.demux(stream) if packet.size)
+
+
 def _pixel_identity(img: Image.Image) -> bytes:
     return f"{img.mode}:{img.size}:".encode() + img.tobytes()
 
@@ -368,12 +480,16 @@ def _array_to_image(arr: np.ndarray) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def _decode_data_url(url: str) -> bytes:
+def _decode_data_url(url: str, kind: str) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep:
         raise MediaError("malformed data URL: no ',' separating header and data")
     if not header.endswith(";base64"):
         raise MediaError("data URLs must be base64-encoded (data:<mime>;base64,...)")
+    mime = header[len("data:"):].split(";")[0].strip().lower()
+    if mime and not mime.startswith(f"{kind}/") and mime != "application/octet-stream":
+        article = "an" if kind == "image" else "a"
+        raise MediaError(f"a data URL of type {mime!r} is not {article} {kind} (data:{kind}/<format>;base64,...)")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):

@@ -153,11 +153,11 @@ class MultiModalProcessor:
             if not hasattr(self.image_processor, "do_pan_and_scan"):
                 raise MediaError("do_pan_and_scan: this model's processor has no pan-and-scan crops")
             kwargs["do_pan_and_scan"] = settings["do_pan_and_scan"]
-        image = self.loader.decode_image(raw)
-        try:
-            out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
-        except ValueError as e:  # the processor refuses some shapes (an aspect ratio over 200)
-            raise MediaError(f"{raw.what}: {e}") from None
+        with self.loader.decoding(raw) as image:
+            try:
+                out = self.image_processor(images=[image], return_tensors="pt", **kwargs)
+            except ValueError as e:  # the processor refuses some shapes (an aspect ratio over 200)
+                raise MediaError(f"{raw.what}: {e}") from None
         data = {"pixel_values": out["pixel_values"].to(self.pixel_dtype)}  # Gemma 3: the picture, then its crops
         if "image_grid_thw" in out:  # Qwen: patches of a grid
             data["grid_thw"] = tuple(int(x) for x in out["image_grid_thw"][0])
@@ -182,33 +182,36 @@ class MultiModalProcessor:
             except (ValueError, TypeError) as e:
                 raise MediaError(f"{raw.what}: cannot sample frames ({e})") from None
 
-        video = self.loader.decode_video(raw, choose)
-        n, (h, w) = video.num_frames, video.frames.shape[1:3]
-        meta = meta_of(n, video.fps, h, w)
-        indices = choose(n, video.fps)
+        with self.loader.decoding(raw, choose) as video:
+            n, (h, w) = video.num_frames, video.frames.shape[1:3]
+            meta = meta_of(n, video.fps, h, w)
+            indices = choose(n, video.fps)
+            out = self._run_video_processor(raw.what, video.select(indices), meta, indices, settings)
+        grid = out["video_grid_thw"]
+        data = {
+            "pixel_values": out["pixel_values_videos"].to(self.pixel_dtype),
+            "grid_thw": tuple(int(x) for x in grid[0]),
+            # seconds of video per temporal grid step (Qwen2.5-VL's M-RoPE time axis)
+            "second_per_grid_t": self.video_processor.temporal_patch_size / meta.sampled_fps,
+        }
+        replacement = self.hf_processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+        return ProcessedMedia("video", key, replacement, data, self._count(replacement, self.video_token_id))
+
+    def _run_video_processor(self, what: str, frames: np.ndarray, meta, indices: np.ndarray,
+                             settings: dict[str, Any]) -> dict[str, Any]:
         temporal = self.video_processor.temporal_patch_size
         if len(indices) < temporal:
-            raise MediaError(f"{raw.what} has {n} frame(s); the model needs at least {temporal}")
+            raise MediaError(f"{what} has {meta.total_num_frames} frame(s); the model needs at least {temporal}")
         meta.frames_indices = indices.tolist()
-        frames = torch.from_numpy(video.select(indices)).permute(0, 3, 1, 2)
         kwargs = dict(self._size_kwargs(self.video_processor, settings), video_metadata=[meta],
                       do_sample_frames=False, return_tensors="pt")
         if hasattr(type(self.video_processor), "cap_pixels_per_frame"):
             # Qwen3-VL style: None means False, with a warning on every call
             kwargs["cap_pixels_per_frame"] = self.video_processor.cap_pixels_per_frame or False
         try:
-            out = self.video_processor(videos=[frames], **kwargs)
+            return self.video_processor(videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], **kwargs)
         except ValueError as e:
-            raise MediaError(f"{raw.what}: {e}") from None
-        grid = out["video_grid_thw"]
-        data = {
-            "pixel_values": out["pixel_values_videos"].to(self.pixel_dtype),
-            "grid_thw": tuple(int(x) for x in grid[0]),
-            # seconds of video per temporal grid step (Qwen2.5-VL's M-RoPE time axis)
-            "second_per_grid_t": temporal / meta.sampled_fps,
-        }
-        replacement = self.hf_processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
-        return ProcessedMedia("video", key, replacement, data, self._count(replacement, self.video_token_id))
+            raise MediaError(f"{what}: {e}") from None
 
     def _count(self, replacement: str, pad_id: int) -> int:
         return self.tokenizer.encode(replacement, add_special_tokens=False).count(pad_id)

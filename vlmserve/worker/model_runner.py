@@ -33,7 +33,7 @@ from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 # Embedding tokens of media one call of the vision tower takes (an item larger than this
 # alone): a step's encoder budget (8,192 by default) in one call held every block's
 # activations for up to 32k patches at once, 0.76 GB of temporaries at Qwen2.5-VL-3B's
-# widths that the process keeps (worker/allocator.py); at 2,048 (8,192 patches) its
+# widths that the process keeps (allocator.py); at 2,048 (8,192 patches) its
 # matmuls still take hundreds of rows a pass and run as fast.
 ENCODER_CALL_TOKENS = 2048
 

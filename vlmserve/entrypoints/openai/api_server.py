@@ -11,7 +11,7 @@ import logging
 import sys
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,9 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlmserve import __version__
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.async_llm import AsyncLLM
+from vlmserve.engine.input_processor import check_prompt_text, max_chars_per_token
 from vlmserve.engine.model_source import served_name
 from vlmserve.engine.protocol import EngineClient
-from vlmserve.entrypoints.openai.protocol import DetokenizeRequest, OpenAIError, TokenizeRequest
+from vlmserve.entrypoints.openai.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, OpenAIError,
+                                                  TokenizeRequest, UnloadLoRAAdapterRequest)
 from vlmserve.entrypoints.openai.serving import SHUTDOWN_ERROR, ClientGone
 from vlmserve.entrypoints.openai.serving_chat import ServingChat
 from vlmserve.entrypoints.openai.serving_completion import ServingCompletion
@@ -30,20 +32,33 @@ from vlmserve.entrypoints.openai.serving_score import ServingScore
 from vlmserve.entrypoints.openai.serving_models import ServedModels, adapters_from_args
 from vlmserve.errors import ConfigError
 from vlmserve.metrics import CONTENT_TYPE
+from vlmserve.multimodal.decode_budget import MediaBusyError
 
 logger = logging.getLogger(__name__)
 
+# the routes that need the API key where one is set: the API's (the chat UI's pages, served
+# beside it by `vlmserve ui`, and the probes' routes stay open)
+KEYED_PREFIXES = ("/v1/", "/v2/")
+KEYED_PATHS = {"/tokenize", "/detokenize", "/score", "/rerank"}
+
+
 class OpenAIServer:
     def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None,
-                 lora_modules: dict[str, str] | None = None, runtime_lora_updates: bool = False) -> None:
+                 lora_modules: dict[str, str] | None = None, runtime_lora_updates: bool = False,
+                 allowed_lora_path: str | None = None) -> None:
         """engine: an AsyncLLM, or replicas on Ray Serve (replicas.ReplicaPool);
         lora_modules: adapters served under names of their own (name -> folder);
-        runtime_lora_updates: /v1/load_lora_adapter and /v1/unload_lora_adapter on."""
+        runtime_lora_updates: /v1/load_lora_adapter and /v1/unload_lora_adapter on, for
+        adapters under allowed_lora_path (None: anywhere)."""
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
-        self.models = ServedModels(engine, served_model_name)
+        self.chars_per_token = max_chars_per_token(engine.tokenizer)
+        self.models = ServedModels(engine, served_model_name, allowed_lora_path)
+        if runtime_lora_updates and allowed_lora_path is None:
+            logger.warning("adapters may be loaded at run time from any folder this server can read: "
+                           "--allowed-lora-path limits them to one")
         for name, path in (lora_modules or {}).items():
             try:
                 self.models.add(name, path)
@@ -69,24 +84,34 @@ class OpenAIServer:
         app.exception_handler(ClientGone)(self._client_gone)
         app.exception_handler(Exception)(self._internal_error)
 
-        keyed = [Depends(self._check_key)]
+        # the key is checked by unauthorized(), before a request's body is read (http.py)
         app.get("/health")(self.health)
         app.get("/version")(lambda: {"version": __version__})
         app.get("/metrics")(self.metrics_endpoint)
-        app.get("/v1/models", dependencies=keyed)(self.list_models)
-        app.post("/v1/chat/completions", dependencies=keyed)(self.chat.create)
-        app.post("/v1/completions", dependencies=keyed)(self.completion.create)
-        app.post("/v1/embeddings", dependencies=keyed)(self.embedding.create)
+        app.get("/v1/models")(self.list_models)
+        app.post("/v1/chat/completions")(self.chat.create)
+        app.post("/v1/completions")(self.completion.create)
+        app.post("/v1/embeddings")(self.embedding.create)
         for path in ("/score", "/v1/score"):
-            app.post(path, dependencies=keyed)(self.scoring.score)
+            app.post(path)(self.scoring.score)
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-            app.post(path, dependencies=keyed)(self.scoring.rerank)
-        app.post("/tokenize", dependencies=keyed)(self.tokenize)
-        app.post("/detokenize", dependencies=keyed)(self.detokenize)
+            app.post(path)(self.scoring.rerank)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         if self.runtime_lora_updates:
-            app.post("/v1/load_lora_adapter", dependencies=keyed, response_class=PlainTextResponse)(self.load_lora)
-            app.post("/v1/unload_lora_adapter", dependencies=keyed, response_class=PlainTextResponse)(self.unload_lora)
+            app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)(self.load_lora)
+            app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)(self.unload_lora)
         return app
+
+    def unauthorized(self, path: str, headers: dict[bytes, bytes]) -> str | None:
+        """Why a request on this path with these headers is refused (401), or None: checked
+        from the headers alone, before the body is read."""
+        if not self.api_key or not (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
+            return None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode()):
+            return "invalid or missing API key (send 'Authorization: Bearer <key>')"
+        return None
 
     # -- errors, all in OpenAI's format ------------------------------------------------------------
     @staticmethod
@@ -124,16 +149,6 @@ class OpenAIServer:
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
 
-    # a dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps the
-    # connection so that the endpoint never sees a client hang up
-    async def _check_key(self, request: Request) -> None:
-        if not self.api_key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise OpenAIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                              code="invalid_api_key")
-
     # -- small routes ----------------------------------------------------------------------------
     async def health(self):
         if not self.engine.is_alive():
@@ -147,21 +162,11 @@ class OpenAIServer:
         """The served model and its adapters, with vLLM's card fields."""
         return {"object": "list", "data": self.models.cards()}
 
-    async def load_lora(self, request: Request):
-        return await self.models.load(await self._json_object(request))
+    async def load_lora(self, req: LoadLoRAAdapterRequest):
+        return await self.models.load(req.lora_name, req.lora_path)
 
-    async def unload_lora(self, request: Request):
-        return await self.models.unload(await self._json_object(request))
-
-    @staticmethod
-    async def _json_object(request: Request) -> dict:
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        return body
+    async def unload_lora(self, req: UnloadLoRAAdapterRequest):
+        return await self.models.unload(req.lora_name)
 
     # -- tokenizer routes (vLLM's) ------------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest):
@@ -178,9 +183,15 @@ class OpenAIServer:
                 tokens = await self.engine.prompt_token_ids(prompt)
             except ValueError as e:
                 raise OpenAIError(400, str(e), param="messages") from None
+            except MediaBusyError as e:
+                raise OpenAIError(503, str(e)) from None
             if req.add_special_tokens:
                 tokens = self.tokenizer.build_inputs_with_special_tokens(tokens)
         else:
+            try:  # the cheap refusals of a completion's prompt, before tokenizing
+                check_prompt_text(req.prompt, self.engine.max_model_len, self.chars_per_token)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="prompt") from None
             tokens = await loop.run_in_executor(None, lambda: self.tokenizer.encode(
                 req.prompt, add_special_tokens=req.add_special_tokens is not False))
         strs = self.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
@@ -188,6 +199,9 @@ class OpenAIServer:
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
+        if len(req.tokens) > self.engine.max_model_len:
+            raise OpenAIError(400, f"tokens holds {len(req.tokens)} ids, more than the model's context of "
+                                   f"{self.engine.max_model_len}", param="tokens")
         vocab = len(self.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
@@ -200,25 +214,26 @@ class OpenAIServer:
         self.models.resolve(model)  # an adapter tokenizes as its base model
 
 
-def serve_engine_app(engine: EngineClient, app: FastAPI, args) -> None:
-    """Serves `app` (the API, or the UI with the API) until Ctrl-C / SIGTERM; exits
+def serve_engine_app(engine: EngineClient, app: FastAPI, args, server: OpenAIServer) -> None:
+    """Serves `app` (the API of `server`, or the UI with it) until Ctrl-C / SIGTERM; exits
     non-zero if the engine dies, so that a supervisor restarts the process."""
     from vlmserve.entrypoints.http import HTTPLimits, make_server
 
     limits = HTTPLimits(max_body_bytes=args.max_request_mb << 20, max_connections=args.max_connections,
                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                         drain_timeout=args.drain_timeout)
-    server = make_server(app, args.host, args.port, args.log_level, limits,
-                         on_drain_deadline=lambda: engine.abort_all(SHUTDOWN_ERROR))
+    http_server = make_server(app, args.host, args.port, args.log_level, limits,
+                              on_drain_deadline=lambda: engine.abort_all(SHUTDOWN_ERROR),
+                              unauthorized=server.unauthorized)
     died: list[BaseException] = []
 
     def on_death(error: BaseException) -> None:
         died.append(error)
-        server.stop_now()
+        http_server.stop_now()
 
     engine.death_listeners.append(on_death)
     try:
-        server.run()
+        http_server.run()
     except KeyboardInterrupt:
         # uvicorn re-raises the Ctrl-C it captured once it has drained and shut down;
         # asyncio turns it into KeyboardInterrupt: the shutdown is done, not interrupted
@@ -241,6 +256,7 @@ def run_server(args) -> None:
         engine = AsyncLLM(engine_args, max_pending_requests=args.max_pending_requests,
                           served_model_name=args.served_model_name, metrics_names=args.metrics_names)
     name = args.served_model_name or served_name(args.model, engine.model_path)
-    server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating)
+    server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating,
+                          args.allowed_lora_path)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    serve_engine_app(engine, server.build_app(), args)
+    serve_engine_app(engine, server.build_app(), args, server)

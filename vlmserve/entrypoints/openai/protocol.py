@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from vlmserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
@@ -88,7 +88,7 @@ class SamplingRequest(BaseModel):
     max_tokens: int | None = None
     min_tokens: int = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -254,7 +254,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     # one prompt or several, as text or as token ids; a choice per prompt and sample
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False  # the answer starts with the prompt (and its logprobs with the prompt's)
 
@@ -298,7 +298,18 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
 
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
@@ -329,7 +340,7 @@ class EmbeddingRequest(PoolingRequest):
     vLLM's multimodal form, chat `messages` rendered by the template (pictures and videos
     as in chat completions)."""
 
-    input: str | list[str] | list[int] | list[list[int]] | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
     messages: list[dict[str, Any]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka: the first this many, normalised after the cut

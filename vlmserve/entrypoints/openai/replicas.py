@@ -242,6 +242,7 @@ class ReplicaPool:
     death_listeners: list = field(default_factory=list)  # (replicas are restarted, never the pool)
     in_flight: dict[str, Any] = field(default_factory=dict)  # request id -> its response stream
     shutdown_error: str | None = None
+    max_pending_requests: int | None = None  # each replica has its own cap; the pool none
 
     def __post_init__(self) -> None:
         self.hub_view = HubView(self.hub)

@@ -19,6 +19,7 @@ from vlmserve.engine.async_llm import EngineDeadError, QueueFullError
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.protocol import EngineClient
 from vlmserve.entrypoints.openai.protocol import OpenAIError, SamplingRequest
+from vlmserve.multimodal.decode_budget import MediaBusyError
 from vlmserve.entrypoints.openai.responses import choice_usage, usage
 from vlmserve.entrypoints.openai.serving_models import ServedModels
 from vlmserve.lora.request import LoRARequest
@@ -122,7 +123,7 @@ class ServingBase:
             raise OpenAIError(400, str(e)) from None
         except QueueFullError as e:
             raise OpenAIError(429, str(e)) from None
-        except EngineDeadError as e:
+        except (EngineDeadError, MediaBusyError) as e:
             raise OpenAIError(503, str(e)) from None
         return Started(first, gen)
 
@@ -131,6 +132,10 @@ class ServingBase:
                         pooling: PoolingParams | None = None) -> list[Started]:
         """Several prompts at once (their choices numbered prompt by prompt); one refused
         refuses them all and ends the others."""
+        asked, cap = len(prompts) * (params.n if params is not None else 1), self.engine.max_pending_requests
+        if cap is not None and len(prompts) > 1 and asked > cap:  # could never be taken: said before any work
+            raise OpenAIError(400, f"the request asks for {asked} completions (prompts x n), more than this server "
+                                   f"runs at once ({cap}, --max-pending-requests); send it in parts")
         tasks = [asyncio.ensure_future(self.start(f"{request_id}-{i}" if len(prompts) > 1 else request_id, p,
                                                   params, req, request, lora, pooling))
                  for i, p in enumerate(prompts)]

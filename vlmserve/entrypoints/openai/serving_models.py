@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from vlmserve.engine.protocol import EngineClient
@@ -27,10 +28,16 @@ def adapters_from_args(args: Any) -> dict[str, str]:
     return modules
 
 
+MAX_ADAPTER_NAME_CHARS = 256
+
+
 class ServedModels:
-    def __init__(self, engine: EngineClient, base_name: str) -> None:
+    def __init__(self, engine: EngineClient, base_name: str, allowed_lora_path: str | None = None) -> None:
+        """allowed_lora_path: the folder adapters loaded at run time must lie under (None:
+        anywhere the server can read)."""
         self.engine = engine
         self.base_name = base_name
+        self.allowed_lora_path = allowed_lora_path
         self.adapters: dict[str, LoRARequest] = {}
         self.created = int(time.time())
         self._ids = itertools.count(1)
@@ -40,10 +47,27 @@ class ServedModels:
         the same name is reused); LoRAError (a ValueError) if the engine cannot serve it."""
         if name == self.base_name or name in self.adapters:
             raise ValueError(f"the name {name!r} is already in use")
+        if len(name) > MAX_ADAPTER_NAME_CHARS or not name.isprintable():
+            raise ValueError(f"an adapter's name is printable text of at most {MAX_ADAPTER_NAME_CHARS} characters")
         lora = LoRARequest(name, next(self._ids), path)
-        self.engine.check_lora(lora)
+        try:
+            self.engine.check_lora(lora)
+        except OSError as e:  # a path the system refuses (too long, unreadable)
+            raise ValueError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
         self.adapters[name] = lora
         return lora
+
+    def _check_allowed(self, path: str) -> None:
+        if self.allowed_lora_path is None:
+            return
+        try:
+            real = Path(path).expanduser().resolve()
+        except (OSError, ValueError):
+            raise OpenAIError(400, "lora_path is not a usable path", param="lora_path") from None
+        root = Path(self.allowed_lora_path).expanduser().resolve()
+        if real != root and root not in real.parents:
+            raise OpenAIError(400, f"lora_path {path!r} is outside the folder adapters may be loaded from "
+                                   f"(--allowed-lora-path)", param="lora_path", code="invalid_lora")
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's "model" names (None: the base model); 404 if unknown."""
@@ -72,21 +96,20 @@ class ServedModels:
                          for lora in self.adapters.values()]
 
     # -- run-time loading (vLLM's routes and bodies) ----------------------------------------------
-    async def load(self, body: dict[str, Any]) -> str:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+    async def load(self, name: str, path: str) -> str:
+        if not name or not path:
             raise OpenAIError(400, "both 'lora_name' and 'lora_path' must be given, as strings")
         if name in self.adapters:
             raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", code="invalid_lora")
-        try:  # reads the adapter's config and tensor shapes: off the event loop
+        self._check_allowed(path)
+        try:  # reads and checks the adapter's config and tensors: off the event loop
             await asyncio.get_running_loop().run_in_executor(None, self.add, name, path)
         except ValueError as e:
             raise OpenAIError(400, str(e), code="invalid_lora") from None
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload(self, body: dict[str, Any]) -> str:
+    async def unload(self, name: str) -> str:
         """Requests already running under it finish under it; later ones cannot name it."""
-        name = body.get("lora_name")
         if name not in self.adapters:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                               code="lora_not_found")
