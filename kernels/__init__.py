@@ -10,8 +10,9 @@ it, without touching a model.
 # transformers probes for the HF kernel-hub package on import; imported under that name it
 # stays empty, so transformers finds no version there and `import transformers` works.
 if __name__ == "vlmserve.kernels":
-    import os
+    import sys
 
+    from vlmserve import envs
     from vlmserve.kernels.registry import KernelTable, ops, register, use_kernels
 
     # importing the modules registers their implementations
@@ -30,11 +31,13 @@ if __name__ == "vlmserve.kernels":
     def kernel_table(device_type: str, triton: bool = False) -> KernelTable:
         """The ops for a device: CUDA runs the Triton kernels; the CPU its C++ ones, or
         with `triton` the Triton kernels under Triton's interpreter (the GPU path, checked
-        on a machine without one), which has to be on before triton is first imported."""
+        on a machine without one), turned on here before they are first defined."""
         if device_type == "cuda" or triton:
-            if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError("the Triton kernels on CPU tensors run in Triton's interpreter: start with "
-                                   "VLMSERVE_USE_TRITON=1 (or TRITON_INTERPRET=1) in the environment")
+            if device_type != "cuda" and not envs.TRITON_INTERPRET:
+                if "vlmserve.kernels.triton_attention" in sys.modules:
+                    raise RuntimeError("the Triton kernels were compiled for a GPU in this process: they cannot "
+                                       "also run on CPU tensors here")
+                envs.turn_on_triton_interpreter()
             from vlmserve.kernels import (  # noqa: F401
                 triton_attention,
                 triton_elementwise,

@@ -19,12 +19,12 @@ under TRITON_INTERPRET=1 in fp32 against the portable chunked form (gdn.py).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from vlmserve import envs
 from vlmserve.kernels.gdn import RecurrentMetadata
 from vlmserve.kernels.registry import register
 from vlmserve.kernels.triton_attention import dot_precision
@@ -32,7 +32,7 @@ from vlmserve.kernels.triton_attention import dot_precision
 BLOCK_V = 16  # value channels per program of the recurrence
 # tokens per chunk of the chunked form: 64 on a GPU (tensor-core tiles); the interpreter
 # runs each program in numpy, where a smaller chunk is faster and still crosses chunks
-CHUNK = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
+GPU_CHUNK, INTERPRETED_CHUNK = 64, 16
 SCAN_BLOCK_V = 32  # value channels per program of the chunk scan
 
 
@@ -239,7 +239,7 @@ def _recurrent_needed(meta: RecurrentMetadata) -> bool:
 @register("gated_delta_rule", "triton")
 def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             state: torch.Tensor, meta: RecurrentMetadata, chunk: int | None = None) -> torch.Tensor:
-    """Prefills by the chunked form (`chunk` tokens a chunk, CHUNK by default), decodes and
+    """Prefills by the chunked form (`chunk` tokens a chunk, default_chunk() by default), decodes and
     verification queries by the recurrence; each state updated in its slot."""
     out = torch.empty_like(v)
     num_seqs = meta.slots.shape[0]
@@ -259,11 +259,16 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             heads, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V, SKIP_PREFILLS=chunked,
         )
     if chunked:
-        _chunked(q, k, v, g, beta, state, out, meta, has_state, checkpoints, width, longest, chunk or CHUNK)
+        _chunked(q, k, v, g, beta, state, out, meta, has_state, checkpoints, width, longest,
+                 chunk or default_chunk())
     return out
 
 
-def chunked_launches(dk: int, dv: int, dtype: torch.dtype, chunk: int = CHUNK) -> dict[str, tuple]:
+def default_chunk() -> int:
+    return INTERPRETED_CHUNK if envs.TRITON_INTERPRET else GPU_CHUNK
+
+
+def chunked_launches(dk: int, dv: int, dtype: torch.dtype, chunk: int) -> dict[str, tuple]:
     """The chunked form's two kernels with their block sizes and launch options at these
     head widths and this storage dtype: {"prepare" | "scan": (kernel, options)}."""
     block_k = triton.next_power_of_2(dk)

@@ -6,8 +6,8 @@ import base64
 import io
 import os
 
-# No GPU here: Triton kernels run in Triton's interpreter, which must be on before triton
-# is first imported (torchvision and transformers import it). VLMSERVE_TEST_DEVICE=cuda
+# No GPU here: the kernel tests define and run the Triton kernels on CPU tensors, in
+# Triton's interpreter, which must be on before they are first defined. VLMSERVE_TEST_DEVICE=cuda
 # (benchmarks/gpu_check.py on a GPU machine) runs the device-aware tests on CUDA tensors,
 # compiled.
 TEST_DEVICE = os.environ.get("VLMSERVE_TEST_DEVICE", "cpu")

@@ -50,6 +50,31 @@ def huge_png_header(width: int = 20000, height: int = 20000) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+def png_bomb(width: int, height: int, bit_depth: int = 8, color_type: int = 2, frames: int = 1) -> bytes:
+    """A PNG of width x height pixels, every one zero, at any bit depth and colour type (0
+    grey, 2 RGB, 3 palette, 4 grey+alpha, 6 RGBA), written row by row so that it is never
+    whole in memory: a few KB on disk, gigabytes decoded. frames > 1: an animated PNG."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[color_type]
+    row = b"\x00" * (1 + (width * channels * bit_depth + 7) // 8)
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    out = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, bit_depth, color_type, 0, 0, 0))
+    if color_type == 3:
+        out += chunk(b"PLTE", b"\x00\x00\x00\xff\xff\xff") + chunk(b"tRNS", b"\x00")
+    if frames > 1:
+        out += chunk(b"acTL", struct.pack(">II", frames, 0))
+        control = struct.pack(">IIIIIHHBB", 0, width, height, 0, 0, 1, 1, 0, 0)
+        out += chunk(b"fcTL", control) + chunk(b"IDAT", idat)
+        for i in range(1, frames):  # the later frames repeat the first one's data
+            control = struct.pack(">IIIIIHHBB", 2 * i - 1, width, height, 0, 0, 1, 1, 0, 0)
+            out += chunk(b"fcTL", control) + chunk(b"fdAT", struct.pack(">I", 2 * i) + idat)
+        return out + chunk(b"IEND", b"")
+    return out + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
 def video_bytes(fmt: str = "mp4", frames: int = 12, fps: int = 4, size=(96, 64), seed: int = 0) -> bytes:
     """A short video of a square moving right, in mp4 (H.264), webm (VP8), mov, or gif."""
     codec = {"mp4": "libx264", "mov": "libx264", "webm": "libvpx", "gif": "gif"}[fmt]

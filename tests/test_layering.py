@@ -1,6 +1,7 @@
 """Imports point down: every import in the package (at the top of a module or inside a
 function) goes to a module of the same layer or a lower one, and no two modules import
-each other, however indirectly. The layers, lowest first, are the architecture's."""
+each other, however indirectly, nor do two folders. The layers, lowest first, are the
+architecture's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ LAYERS = [
     ["vlmserve.kernels", "vlmserve.multimodal", "vlmserve.structured_output", "vlmserve.core", "vlmserve.request",
      "vlmserve.outputs", "vlmserve.lora"],
     ["vlmserve.models"],
-    ["vlmserve.worker", "vlmserve.spec_decode"],
+    ["vlmserve.worker"],
+    ["vlmserve.spec_decode"],  # the ways to draft tokens, built by the engine, handed to the runner
     ["vlmserve.engine", "vlmserve.metrics"],
     ["vlmserve.entrypoints", "vlmserve.ui", "vlmserve.training"],
     ["vlmserve.testing"],  # checkpoints for tests and benchmarks: nothing else imports it
@@ -68,19 +70,38 @@ def test_every_import_points_down():
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycle():
-    known = modules()
-    graph = {m: imports(p, known) - {m} for m, p in known.items()}
+def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
         for target in sorted(graph.get(node, ())):
-            assert state.get(target) != 1, "import cycle: " + " -> ".join(path[path.index(target):] + [target])
+            assert state.get(target) != 1, f"{what}: " + " -> ".join(path[path.index(target):] + [target])
             if not state.get(target):
                 visit(target, path + [target])
         state[node] = 2
 
-    for module in sorted(graph):
-        if not state.get(module):
-            visit(module, [module])
+    for node in sorted(graph):
+        if not state.get(node):
+            visit(node, [node])
+
+
+def test_no_import_cycle():
+    known = modules()
+    assert_acyclic({m: imports(p, known) - {m} for m, p in known.items()}, "import cycle")
+
+
+def folder_of(module: str) -> str:
+    """The package folder a module is in (vlmserve.worker.sampler -> vlmserve.worker); a
+    module at the package's top is a folder of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_loop_between_folders():
+    """Two folders never import each other, even where a layer holds both (the runner and
+    the proposers, the engine and its metrics, the entry points and the UI)."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        graph.setdefault(folder_of(module), set()).update(folder_of(t) for t in imports(path, known))
+    assert_acyclic({folder: targets - {folder} for folder, targets in graph.items()}, "folders import each other")

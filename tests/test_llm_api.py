@@ -169,13 +169,25 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
 @pytest.mark.parametrize("flags,env,says", [
     (["--device", "cuda"], {}, "no CUDA device on this machine"),
     (["--device", "tpu"], {}, "vlmserve runs on cpu or cuda"),
-    (["--use-triton"], {"VLMSERVE_USE_TRITON": "0", "TRITON_INTERPRET": "0"}, "VLMSERVE_USE_TRITON=1"),
 ])
 def test_a_device_this_machine_lacks_is_one_line_not_a_traceback(flags, env, says):
     proc = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", *flags],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+
+
+def test_the_triton_interpreter_is_turned_on_where_the_triton_kernels_run_on_the_cpu():
+    """Not at import, nor by the environment beforehand: by the kernel table the engine
+    asks for, before the Triton kernels are first defined."""
+    code = ("import os, vlmserve, vlmserve.engine.args; assert 'TRITON_INTERPRET' not in os.environ; "
+            "from vlmserve.kernels import kernel_table; kernel_table('cpu', triton=True); "
+            "from vlmserve.kernels import triton_attention; "
+            "print(os.environ['TRITON_INTERPRET'], type(triton_attention.dot_precision).__name__, "
+            "type(triton_attention._paged_attention_kernel).__name__)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLMSERVE_USE_TRITON")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split()[0] == "1" and out.stdout.split()[-1] == "InterpretedFunction", out.stderr
 
 
 @NO_CUDA

@@ -15,7 +15,7 @@ from vlmserve.config import SpeculativeConfig
 from vlmserve.errors import ConfigError
 from vlmserve.sampling_params import StructuredOutputsParams
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
-from vlmserve.spec_decode.proposer import Proposer, token_history
+from vlmserve.worker.proposer import Proposer, token_history
 from vlmserve.worker.rejection_sampler import verify
 from vlmserve.worker.sampler import SamplingBatch
 

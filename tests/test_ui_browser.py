@@ -383,6 +383,15 @@ def test_a_sample_is_a_clickable_example(browser, ui):
     assert normalize_answer(page.last_answer()) == expected("shapes2.png", question)
 
 
+def stop_looks(page: Page) -> tuple[str, str]:
+    """The Stop button as a user sees it: enabled or not, and whether its background is a
+    saturated red (Gradio's "stop" variant)."""
+    button = page.page.locator("#stop")
+    r, g, b = (int(x) for x in re.findall(r"\d+", button.evaluate("e => getComputedStyle(e).backgroundColor"))[:3])
+    red = r > 150 and r > 2 * g and r > 2 * b
+    return ("disabled" if button.is_disabled() else "enabled"), ("red" if red else "not red")
+
+
 def test_stop_really_aborts_a_long_answer(browser, tmp_path):
     # a random-weight model rambles on to max tokens: a long answer to stop, from a model
     # wide enough that 8192 tokens take many seconds on any machine
@@ -391,15 +400,19 @@ def test_stop_really_aborts_a_long_answer(browser, tmp_path):
     s = Server(str(path), "--num-kv-blocks", "1100", command="ui")
     try:
         page = Page(browser, s.base)
+        # nothing runs: Stop looks inactive (disabled, not the solid red of the primary action)
+        assert stop_looks(page) == ("disabled", "not red")
         page.page.click("text=Settings")
         page.set_slider("max tokens", "8192")
         page.ask("What is in this picture?", wait=False)  # greedy: 8192 tokens without an end
         deadline = time.time() + 30
         while time.time() < deadline and len(page.last_answer()) < 20:  # streaming has begun
             time.sleep(0.05)
+        assert stop_looks(page) == ("enabled", "red")  # an answer streams: Stop is the action
         page.page.click("#stop")
         page.page.wait_for_timeout(1000)
         page.shot("5-stopped")
+        assert stop_looks(page) == ("disabled", "not red")
         partial = page.last_answer()
         deadline = time.time() + 10
         while time.time() < deadline and s.metric("num_requests_running"):

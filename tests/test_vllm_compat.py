@@ -253,7 +253,7 @@ def test_unknown_fields_are_logged_once_per_name(server):
 
 
 def test_metrics_can_keep_vlmserves_names():
-    from vlmserve.engine.stats import EngineStats
+    from vlmserve.metrics import EngineStats
     from vlmserve.metrics import EngineMetrics
 
     stats = EngineStats(0, 0, [], {}, 0, 0.0, [], [], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)

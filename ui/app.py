@@ -174,7 +174,8 @@ class ChatApp:
                                        placeholder="Ask about a picture or a clip (drop files, or paste a picture)…",
                                        show_label=False, sources=["upload"])
             with gr.Row():
-                stop = gr.Button("Stop", elem_id="stop", variant="stop")
+                # the primary action only while an answer streams: inactive until then
+                stop = gr.Button("Stop", elem_id="stop", variant="secondary", interactive=False)
                 again = gr.Button("Regenerate", elem_id="regenerate")
                 clear = gr.Button("Clear", elem_id="clear")
             with gr.Accordion("Settings", open=False):
@@ -203,13 +204,20 @@ class ChatApp:
                     history.pop()
                 return history
 
+            def answering():
+                return gr.Button(variant="stop", interactive=True)
+
+            def done():
+                return gr.MultimodalTextbox(interactive=True), gr.Button(variant="secondary", interactive=False)
+
             submit = box.submit(add_turn, [chatbot, box], [chatbot, box], queue=False).then(
-                self.respond, [chatbot, *knobs], [chatbot, stats])
-            submit.then(lambda: gr.MultimodalTextbox(interactive=True), None, [box])
+                answering, None, [stop], queue=False).then(self.respond, [chatbot, *knobs], [chatbot, stats])
+            submit.then(done, None, [box, stop])
             regen = again.click(drop_last_answer, [chatbot], [chatbot], queue=False).then(
-                self.respond, [chatbot, *knobs], [chatbot, stats])
-            stop.click(lambda: gr.MultimodalTextbox(interactive=True), None, [box], cancels=[submit, regen])
-            clear.click(lambda: ([], ""), None, [chatbot, stats], queue=False, cancels=[submit, regen])
+                answering, None, [stop], queue=False).then(self.respond, [chatbot, *knobs], [chatbot, stats])
+            regen.then(done, None, [box, stop])
+            stop.click(done, None, [box, stop], cancels=[submit, regen])
+            clear.click(lambda: ([], "", *done()), None, [chatbot, stats, box, stop], queue=False, cancels=[submit, regen])
             demo.load(self.model_choices, None, [model])
         return demo
 

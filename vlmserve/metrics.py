@@ -17,15 +17,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from vlmserve.engine.stats import EngineStats
+from vlmserve.core.sched_output import SchedulerStats
 from vlmserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats(SchedulerStats):
+    """What the engine reports about itself: the scheduler's numbers and the processor cache's."""
+
+    processor_cache_hits: int = 0
+    processor_cache_misses: int = 0
+
+    @classmethod
+    def of(cls, scheduler: SchedulerStats, processor_cache_hits: int, processor_cache_misses: int) -> EngineStats:
+        return cls(**asdict(scheduler), processor_cache_hits=processor_cache_hits,
+                   processor_cache_misses=processor_cache_misses)
+
 
 PREFIX = "vlmserve:"  # vlmserve's own series
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

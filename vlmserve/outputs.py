@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlmserve.core.sched_output import LogprobsEntry
+
+@dataclass
+class LogprobsEntry:
+    """Top logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What the scheduler tells the model runner each step, and what comes back.
+"""What the scheduler tells the model runner each step, what comes back, and what a step
+produced for each request (EngineCoreOutput) and for the whole engine (SchedulerStats).
 
 Everything that crosses the scheduler/runner boundary is here. New requests carry
 their full data once; requests the runner already holds get deltas only.
@@ -11,7 +12,9 @@ from typing import Any
 
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.outputs import LogprobsEntry
 from vlmserve.pooling_params import PoolingParams
+from vlmserve.request import FinishReason
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -67,15 +70,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class LogprobsEntry:
-    """Top logprobs at one position: the chosen token first, then the top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
-
-
-@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
@@ -89,3 +83,47 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> the pooled vector of an embedding request whose prompt is done (a tensor)
     pooler_output: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsEntry] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    media_stats: dict[str, int] | None = None  # set when finished
+    first_scheduled_time: float | None = None  # wall clock, for the queue-time metric
+    pooled: Any = None  # an embedding request's vector (an fp32 CPU tensor, opaque here)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    group_kinds: list[str]  # per KV cache group: the name of its spec
+    blocks_in_use: dict[int, int]  # per attention group (by its index among the groups)
+    num_free_blocks: int
+    kv_usage: float
+    prefix_cache_queries: list[int]  # tokens, per group, cumulative
+    prefix_cache_hits: list[int]
+    state_slots_in_use: int  # recurrent-state slots of running requests
+    state_snapshots: int  # recurrent-state snapshots kept for prefix caching
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    encoder_cache_entries: int
+    encoder_cache_entries_in_use: int  # referenced by requests that still need them
+    encoder_cache_tokens: int
+    num_preemptions: int
+    num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
+    num_draft_tokens: int  # ... draft tokens checked
+    num_accepted_tokens: int  # ... and kept

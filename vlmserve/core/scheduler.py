@@ -13,63 +13,14 @@ from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.request_queue import WaitingQueue
-from vlmserve.core.sched_output import (
-    CachedRequestData,
-    LogprobsEntry,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from vlmserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput, SchedulerStats)
 from vlmserve.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from vlmserve.structured_output.manager import RequestGrammar
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[LogprobsEntry] = field(default_factory=list)
-    prompt_logprobs: list[LogprobsEntry] | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    media_stats: dict[str, int] | None = None  # set when finished
-    first_scheduled_time: float | None = None  # wall clock, for the queue-time metric
-    pooled: Any = None  # an embedding request's vector (an fp32 CPU tensor, opaque here)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    group_kinds: list[str]  # per KV cache group: the name of its spec
-    blocks_in_use: dict[int, int]  # per attention group (by its index among the groups)
-    num_free_blocks: int
-    kv_usage: float
-    prefix_cache_queries: list[int]  # tokens, per group, cumulative
-    prefix_cache_hits: list[int]
-    state_slots_in_use: int  # recurrent-state slots of running requests
-    state_snapshots: int  # recurrent-state snapshots kept for prefix caching
-    encoder_cache_hits: int
-    encoder_cache_misses: int
-    encoder_cache_entries: int
-    encoder_cache_entries_in_use: int  # referenced by requests that still need them
-    encoder_cache_tokens: int
-    num_preemptions: int
-    num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
-    num_draft_tokens: int  # ... draft tokens checked
-    num_accepted_tokens: int  # ... and kept
 
 
 @dataclass

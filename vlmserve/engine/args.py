@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vlmserve import envs
 from vlmserve.config import SpeculativeConfig
 from vlmserve.errors import ConfigError
 from vlmserve.multimodal.media import MediaLimits
@@ -31,9 +31,8 @@ class EngineArgs:
     # cpu, or cuda (the Triton kernels)
     device: str = "cpu"
     # run the Triton kernels even on CPU tensors, in Triton's interpreter (slow: for checking
-    # the GPU path without a GPU); also on with VLMSERVE_USE_TRITON=1, which must be set
-    # before the process starts
-    use_triton: bool = os.environ.get("VLMSERVE_USE_TRITON") == "1"
+    # the GPU path without a GPU); default: on with VLMSERVE_USE_TRITON=1
+    use_triton: bool = field(default_factory=lambda: envs.VLMSERVE_USE_TRITON)
     # cuda: run every step eagerly (by default decode-only steps replay CUDA graphs
     # captured at start for batches of 1, 2, 4, 8, 16, 32, ...)
     enforce_eager: bool = False
@@ -85,7 +84,7 @@ class EngineArgs:
     max_video_mb: float = 200.0  # larger videos are refused
     media_fetch_timeout: float = 10.0  # seconds for a whole http(s) fetch
     # memory the media decodes in flight may hold together, counted from each item's header
-    # (a picture ~16 bytes a pixel, a video 6 bytes a pixel of each kept frame): an item
+    # (a picture 20 bytes a pixel, a video 6 bytes a pixel of each kept frame): an item
     # needing more alone is refused; others wait for their share, for up to
     # --media-decode-wait seconds, then get a 503
     media_decode_memory_gb: float = 2.0
@@ -122,9 +121,6 @@ class EngineArgs:
         if kind == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: no CUDA device on this machine (torch.cuda.is_available() "
                               f"is False); use --device cpu")
-        if self.use_triton and kind == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("--use-triton on the CPU runs Triton's interpreter, which has to be on before triton "
-                              "is imported: start with VLMSERVE_USE_TRITON=1 in the environment instead")
 
     def check_quantization(self, hf_config: Any) -> None:
         """A method vlmserve has, and a checkpoint quantized in a format it loads (checked

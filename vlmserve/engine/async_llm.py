@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
+from vlmserve.allocator import IdleMemoryReturn
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import EMBEDDING_SAMPLING, LLMEngine, ProcessedRequest
@@ -29,7 +30,6 @@ from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 

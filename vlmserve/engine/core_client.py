@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import queue
 import socket
 import threading
@@ -21,13 +20,14 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from vlmserve.core.scheduler import EngineCoreOutput, SchedulerStats
+from vlmserve import envs
+from vlmserve.allocator import IdleMemoryReturn
+from vlmserve.core.sched_output import EngineCoreOutput, SchedulerStats
 from vlmserve.engine.args import EngineArgs
-from vlmserve.errors import ConfigError
 from vlmserve.engine.engine_core import CoreInfo, EngineCore, build_engine_core
+from vlmserve.errors import ConfigError
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request
-from vlmserve.allocator import IdleMemoryReturn
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def run_core_process(args: EngineArgs, model_path: str, eos_token_id: int | None
                      outputs: Connection) -> None:
     """The child's loop: take commands between steps (block for them when idle), step
     while there are requests, send each step's outputs back."""
-    logging.basicConfig(level=os.environ.get("VLMSERVE_CORE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.VLMSERVE_CORE_LOG_LEVEL,
                         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     timer = PhaseTimer(args.time_steps)
     try:

@@ -9,23 +9,25 @@ from dataclasses import dataclass
 
 import torch
 
+from vlmserve.allocator import keep_freed_memory
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
-from vlmserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from vlmserve.core.sched_output import EngineCoreOutput, SchedulerStats
+from vlmserve.core.scheduler import Scheduler
 from vlmserve.engine.args import EngineArgs
+from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
 from vlmserve.errors import ConfigError
 from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
-from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
-from vlmserve.spec_decode.draft_model import load_draft_model
+from vlmserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.structured_output.manager import StructuredOutputManager
-from vlmserve.allocator import keep_freed_memory
-from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.lora_slots import LoRASlots
+from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -182,8 +184,13 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     timer = timer or PhaseTimer(args.time_steps)
     lora = LoRASlots(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras, torch.device(args.device)) \
         if args.enable_lora else None
+    proposer = None
+    if draft_model is not None:
+        proposer = DraftModelProposer(draft_model, num_drafts, kv_config, max_num_seqs, max_model_len)
+    elif speculative is not None:
+        proposer = NgramProposer(speculative)
     runner = ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device, args.seed, timer,
-                         speculative, draft_model, lora, cuda_graphs=not args.enforce_eager)
+                         proposer, lora, cuda_graphs=not args.enforce_eager)
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, max_num_seqs)

@@ -22,7 +22,7 @@ from vlmserve.engine.input_processor import InputProcessor, PromptInput
 from vlmserve.engine.model_source import classifier_token_ids, resolve_model_path, resolve_pooler, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
 from vlmserve.phase_timer import PhaseTimer
-from vlmserve.engine.stats import EngineStats
+from vlmserve.metrics import EngineStats
 from vlmserve.lora.adapter import LoRAAdapter, LoRAError, read_adapter
 from vlmserve.lora.request import LoRARequest
 from vlmserve.models import get_model_class

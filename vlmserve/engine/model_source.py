@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 
+from vlmserve import envs
 from vlmserve.config import SpeculativeConfig
 from vlmserve.errors import ConfigError
 from vlmserve.pooling_params import PoolerConfig
@@ -51,7 +51,7 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
 def _from_hub(repo_id: str, revision: str | None, download_dir: str | None) -> str:
     from huggingface_hub import constants, snapshot_download
 
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = constants.HF_HUB_OFFLINE or envs.HF_HUB_OFFLINE
     where = download_dir or constants.HF_HUB_CACHE
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=ENGINE_FILES,

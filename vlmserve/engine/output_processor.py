@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from vlmserve.core.sched_output import LogprobsEntry
-from vlmserve.core.scheduler import EngineCoreOutput
-from vlmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vlmserve.core.sched_output import EngineCoreOutput
+from vlmserve.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

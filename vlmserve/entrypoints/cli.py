@@ -9,7 +9,6 @@ import importlib
 import inspect
 import json
 import logging
-import os
 import re
 import sys
 import types as types_module
@@ -17,6 +16,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+from vlmserve import envs
 from vlmserve.engine.args import EngineArgs
 from vlmserve.errors import ConfigError
 
@@ -143,7 +143,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                        help="PEFT LoRA adapters, each served under its name (a request's \"model\"); turns on "
                             "--enable-lora")
     group.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       default=envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING,
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with "
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as in vLLM); turns on --enable-lora")
     group.add_argument("--allowed-lora-path", default=None,
@@ -264,7 +264,7 @@ def import_command(args: argparse.Namespace) -> Callable[[argparse.Namespace], i
 
         return run_caption
     if args.command == "ui":
-        from vlmserve.ui.launch import run_ui
+        from vlmserve.entrypoints.chat_ui import run_ui
 
         return run_ui
     from vlmserve.training.evaluate import run_eval

@@ -8,17 +8,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vlmserve.allocator import GiveBackAfterWork
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.feeder import EngineFeeder
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.engine.llm_engine import LLMEngine
 from vlmserve.engine.processing_pool import processing_pool
-from vlmserve.lora.request import LoRARequest
 from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
+from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
-from vlmserve.allocator import GiveBackAfterWork
 
 
 class LLM:

@@ -2,10 +2,10 @@
 and a budget of it shared by every decode in flight.
 
 A picture's file says little about what it costs: a 500 KB PNG of 8000 x 8000 pixels at
-16 bits per channel decodes to gigabytes of working memory, and four of them at once took
-a server from 1 GB to 8 GB. What a decode holds at its peak is a function of the pixels and
-the bytes each one is stored in (PIL's modes), known from the header; `image_decode_bytes`
-and `video_decode_bytes` give an upper bound of it (calibrated in tests/test_picture_bombs.py
+16 bits per channel took 1.5 GB of working memory to decode and process, and four of them
+at once took a server from 1 GB to 8 GB. What a decode holds at its peak is a function of
+the pixels (and a video's kept frames), known from the header: `image_decode_bytes` and
+`video_decode_bytes` give an upper bound of it (checked in tests/test_hostile_inputs.py
 against the process's measured peak), and `DecodeBudget` lets decodes run together only
 while their bounds add up to its capacity: the others wait their turn (or, after a while,
 are refused as a busy server is), and one that alone needs more than the capacity is
@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
-from vlmserve.allocator import give_back_freed_memory
+from vlmserve.allocator import returning_freed_memory
 
 # a picture's peak, a pixel at a time: its RGB copy (4 bytes in PIL) beside what the HF
-# image processor makes of it at full size before resizing (a converted copy, an array, a
-# tensor and a stacked batch; 14 bytes measured for every PIL mode, the decoded picture
-# itself, at most 4 more, being let go before), with some room
-IMAGE_BYTES_PER_PIXEL = 16
+# image processor makes of it at full size before it resizes (a converted copy, an array, a
+# tensor, a stacked batch), the decoded picture itself being let go before. Measured at 16
+# megapixels (tests/test_hostile_inputs.py): 14.1-14.6 bytes for every PNG mode, GIF, TIFF,
+# BMP and CMYK JPEG; 17.4 for WebP, whose decoder keeps a buffer of its own
+IMAGE_BYTES_PER_PIXEL = 20
 # a decoder's and an image processor's own buffers, whatever the size
 FIXED_BYTES = 16 << 20
-# after a decode this large, the freed memory goes back to the system at once (the
-# engine's allocator keeps freed memory for its next step: engine steps reuse it, but a
-# rare large decode's pages would otherwise stay with the process)
+# a decode this large gives its freed memory back to the system (the engine's allocator
+# keeps freed memory for its next step: engine steps reuse it, but a rare large decode's
+# pages would otherwise stay with the process)
 GIVE_BACK_BYTES = 256 << 20
 
 
@@ -75,10 +76,9 @@ class DecodeBudget:
                                      f"{self.wait_seconds:g} s for its {nbytes >> 20} MB; try again")
             self._used += nbytes
         try:
-            yield
+            with returning_freed_memory() if nbytes >= GIVE_BACK_BYTES else nullcontext():
+                yield
         finally:
             with self._cond:
                 self._used -= nbytes
                 self._cond.notify_all()
-            if nbytes >= GIVE_BACK_BYTES:
-                give_back_freed_memory()

@@ -31,8 +31,9 @@ from vlmserve.errors import ConfigError
 from vlmserve.kernels import KernelTable
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.multimodal.inputs import MultiModalFeature
-from vlmserve.spec_decode.proposer import Proposer
+from vlmserve.worker.input_batch import InputBatch
 from vlmserve.worker.model_loader import load_model
+from vlmserve.worker.proposer import Proposer
 from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,18 @@ def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.
 
 class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, num_tokens: int, kv_cache_config: KVCacheConfig,
-                 inputs: StepInputBuilder, max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.num_tokens = num_tokens  # guesses per request and step
-        self.inputs = inputs
+        self.kv_cache_config = kv_cache_config
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.scratch_slot_base = kv_cache_config.num_state_slots  # batch row r guesses in slot base + r
-        self.plan = self._layer_plan(kv_cache_config, max_num_seqs)
+
+    def bind(self, batch: InputBatch, inputs: StepInputBuilder) -> None:
+        super().bind(batch, inputs)
+        self.plan = self._layer_plan(self.kv_cache_config, self.max_num_seqs)
 
     def _layer_plan(self, kv_cache_config: KVCacheConfig, max_num_seqs: int) -> LayerPlan:
         """Its own KV tensors, on the block ids of the target's first full-attention group,

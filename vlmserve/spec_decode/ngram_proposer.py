@@ -9,17 +9,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from vlmserve.config import SpeculativeConfig
 from vlmserve.core.sched_output import SchedulerOutput
-from vlmserve.spec_decode.proposer import Proposer, token_history
-from vlmserve.worker.input_batch import InputBatch
+from vlmserve.worker.proposer import Proposer, token_history
 from vlmserve.worker.step_inputs import StepInputs
 
 
 class NgramProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, batch: InputBatch | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        self.batch = batch
 
     def propose(self, so: SchedulerOutput, step: StepInputs, kept: list[int], proposing: list[int]
                 ) -> dict[str, list[int]]:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.outputs import LogprobsEntry
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 

@@ -8,22 +8,21 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmserve.config import SchedulerConfig, SpeculativeConfig
+from vlmserve.config import SchedulerConfig
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
-from vlmserve.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from vlmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.outputs import LogprobsEntry
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.pooling_params import PoolingParams
-from vlmserve.spec_decode.draft_model import DraftModelProposer
-from vlmserve.spec_decode.ngram_proposer import NgramProposer
-from vlmserve.spec_decode.proposer import Proposer
 from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.cuda_graphs import CudaGraphs, GraphInputs
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.lora_slots import LoRASlots
+from vlmserve.worker.proposer import Proposer
 from vlmserve.worker.rejection_sampler import can_verify, verify
 from vlmserve.worker.sampler import build_sampling_batch, logprobs_entry, sample
 from vlmserve.worker.staging import Staging
@@ -73,8 +72,7 @@ class ModelRunner:
         device: str = "cpu",
         seed: int = 0,
         timer: PhaseTimer | None = None,
-        speculative: SpeculativeConfig | None = None,
-        draft_model: torch.nn.Module | None = None,
+        proposer: Proposer | None = None,
         lora: LoRASlots | None = None,
         cuda_graphs: bool = True,
     ) -> None:
@@ -103,12 +101,9 @@ class ModelRunner:
             (g.layer_ids, a, g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None)
             for a, g in enumerate(attention_groups)],
             [layer for g in self.groups if isinstance(g.spec, MambaSpec) for layer in g.layer_ids])
-        self.proposer: Proposer | None = None
-        if draft_model is not None:
-            self.proposer = DraftModelProposer(draft_model, speculative.num_speculative_tokens, kv_cache_config,
-                                               self.inputs, scheduler_config.max_num_seqs, self.max_model_len)
-        elif speculative is not None:
-            self.proposer = NgramProposer(speculative, self.input_batch)
+        self.proposer = proposer  # speculative decoding's drafts, where it is on
+        if proposer is not None:
+            proposer.bind(self.input_batch, self.inputs)
         # on CUDA decode-only steps replay graphs captured now (LoRA's per-token adapters are not captured)
         self.cuda_graphs = CudaGraphs.capture(
             GraphInputs(model, kernels, self.plan, self.input_batch, self.inputs, self.block_size, self.device),

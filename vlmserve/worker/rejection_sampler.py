@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.kernels import ops
+from vlmserve.outputs import LogprobsEntry
 from vlmserve.sampling_params import SamplingParams
 from vlmserve.worker.sampler import SamplingBatch, apply_logit_rules, draw, logprobs_entry, target_probs
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vlmserve.core.sched_output import LogprobsEntry
 from vlmserve.kernels import ops
+from vlmserve.outputs import LogprobsEntry
 from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 

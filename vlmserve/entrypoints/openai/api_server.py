@@ -134,8 +134,9 @@ class OpenAIServer:
     @staticmethod
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
-            message[400] = f"request body is not valid JSON: {type(exc.__cause__).__name__}: {exc.__cause__}"
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None:  # FastAPI could not parse the body
+            message[400] = f"request body is not valid JSON: {'nested too deep' if isinstance(cause, RecursionError) else cause}"
         body = OpenAIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body()
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vlmserve.core.sched_output import LogprobsEntry
-from vlmserve.outputs import CompletionOutput, RequestOutput
+from vlmserve.outputs import CompletionOutput, LogprobsEntry, RequestOutput
 
 
 class ResponseShaper:
