@@ -29,10 +29,6 @@ from vlmserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE_NAMES = ("paged_attention.cpp", "gdn.cpp", "elementwise.cpp", "sampling.cpp", "gemv.cpp", "amx_linear.cpp",
-                "varlen_attention.cpp", "bf16_batch_linear.cpp", "decode_layers.cpp", "python_module.cpp")
-HEADER_NAMES = ("vec_math.h", "dispatch.h", "round_row.h", "bf16_gemv_widened.h", "int_gemv_avx2.h",
-                "paged_attention_avx2.h", "kernels.h")
 # what -ffast-math allows for vectorised reductions, without -ffast-math itself: linked
 # with it, a library sets the FPU's flush-to-zero mode on load, and oneDNN's bf16 matmuls
 # then ran on one thread at half speed (measured). exp is the kernels' own (vec_math.h).
@@ -93,7 +89,7 @@ def _compiler_flags() -> list[str]:
 
 
 def gemv_reads_in_streams() -> bool:
-    """Whether the decode GEMVs read a thread's weight in several memory streams (csrc/gemv.cpp,
+    """Whether the decode GEMVs read a thread's weight in several memory streams (csrc/gemv.h,
     `gemv_streams`): faster on Intel cores (an AMX Xeon: int4 +24%, int8 +35%), slower on AMD's
     (a Zen 4 EPYC: int4 and int8 0.67-0.76x on a 3B model's large matrices), where one stream
     with software prefetches reads faster."""
@@ -160,7 +156,7 @@ def _load() -> ModuleType | None:
     if not any(build.glob("*.so")):
         logger.info("building vlmserve's CPU kernels (once for this install, about 2 minutes)")
     try:
-        module = load(name=name, sources=[str(CSRC / s) for s in SOURCE_NAMES], extra_cflags=flags,
+        module = load(name=name, sources=[str(path) for path in sources(CSRC)], extra_cflags=flags,
                       extra_ldflags=["-fopenmp"],
                       extra_include_paths=[str(CSRC)],
                       build_directory=str(build), is_python_module=True, verbose=False)
@@ -173,6 +169,12 @@ def _load() -> ModuleType | None:
     return module
 
 
+def sources(csrc: Path) -> list[Path]:
+    """The kernels' translation units: every .cpp in csrc (as pyproject.toml ships them), so a
+    file split in two builds without a list to keep up to date."""
+    return sorted(csrc.glob("*.cpp"))
+
+
 def build_name(csrc: Path) -> str:
     """The build's folder in the cache: its sources' contents, the compiler flags, the CPU's
     flags, torch's version, and where the sources are. Two checkouts (or an installed copy
@@ -182,8 +184,8 @@ def build_name(csrc: Path) -> str:
     import torch
 
     digest = hashlib.sha256(str(csrc.resolve()).encode())
-    for name in SOURCE_NAMES + HEADER_NAMES:
-        digest.update((csrc / name).read_bytes())
+    for path in sources(csrc) + sorted(csrc.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(_compiler_flags()).encode() + " ".join(cpu_flags()).encode() + torch.__version__.encode())
     return f"vlmserve_cpu_{digest.hexdigest()[:16]}"
 

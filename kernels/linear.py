@@ -43,7 +43,7 @@ from vlmserve.kernels.registry import register
 # against 22.5-24.3 ms, fp32 1-4 rows 4.5-5.8 against 13.7-45 ms for one layer's matrices
 # (AMD EPYC, 2 threads)
 GEMV_OVER_PACKED_ROWS = 3
-GEMV_MAX_ROWS = 4  # the int8 matrix-vector kernel's rows (csrc/gemv.cpp)
+GEMV_MAX_ROWS = 4  # the int8 matrix-vector kernel's rows (csrc/gemv_int8.cpp)
 # Up to this, the bf16 GEMV takes a layer with no packed copy (an output size no multiple of
 # 64, or oneDNN's copies too large to keep beside the weights): 4 to 16 rows in tiles,
 # 1.2-1.3x F.linear on the plain weight (measured as above; about even at 24-32 rows,

@@ -4,7 +4,7 @@
 
 Decoding reads every weight once per step, so 8-bit weights read half the bytes of bf16
 and 4-bit ones a quarter. On the CPU, with bf16 activations, up to 64 rows run on
-vlmserve's own kernels (csrc/gemv.cpp), which take int8 and int4 weights in one tiled
+vlmserve's own kernels (csrc/gemv_int8.cpp, gemv_int4.cpp), which take int8 and int4 weights in one tiled
 layout (16 rows a tile, on huge pages) and multiply them with x quantized to int8 per
 group by AVX512-VNNI: at one row they stream the weight near the machine's bandwidth
 (int8 1.8-2.0x, int4 3.4-4.0x a bf16 GEMV at 3B widths), at 16-64 rows 3-4x torch's

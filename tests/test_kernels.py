@@ -737,5 +737,8 @@ def test_each_copy_of_the_kernel_sources_builds_in_a_folder_of_its_own(tmp_path)
     names = [cpu_extension.build_name(copy) for copy in copies]
     assert names[0] != names[1] and cpu_extension.build_name(cpu_extension.CSRC) not in names
     assert cpu_extension.build_name(copies[0]) == names[0]
-    (copies[0] / "gemv.cpp").write_text((copies[0] / "gemv.cpp").read_text() + "\n")
-    assert cpu_extension.build_name(copies[0]) != names[0]
+    (copies[0] / "gemv_bf16.cpp").write_text((copies[0] / "gemv_bf16.cpp").read_text() + "\n")
+    changed = cpu_extension.build_name(copies[0])
+    assert changed != names[0]
+    (copies[0] / "split_off.cpp").write_text("")  # every .cpp in the folder is built, and counts
+    assert cpu_extension.build_name(copies[0]) != changed

@@ -1,4 +1,4 @@
-// The int8 and int4 tiled-layout GEMVs (gemv.cpp) on CPUs with AVX2 but no AVX512-VNNI
+// The int8 and int4 tiled-layout GEMVs (gemv_int8.cpp, gemv_int4.cpp) on CPUs with AVX2 but no AVX512-VNNI
 // (AMD Zen 2/3, Intel client cores): the same layout, the same x quantized to int8 per
 // group of 128, the same sums; products by maddubs (u8 x s8 pairs to int16) and madd
 // (int16 pairs to int32), 32 bytes of weight an instruction, 8 weight rows a vector (a

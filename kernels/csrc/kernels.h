@@ -33,7 +33,7 @@ extern Tensor (*const paged_attention)(const Tensor& q, const Tensor& k_cache, c
 extern Tensor (*const varlen_attention)(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
                                         double scale);
 
-// gemv.cpp
+// gemv_bf16.cpp, gemv_int8.cpp, gemv_int4.cpp, gemv_fp8.cpp (one a weight format) and gemv_common.cpp
 extern Tensor (*const bf16_gemv)(const Tensor& x, const Tensor& weight, const OptionalTensor& bias);
 extern Tensor (*const int8_gemv)(const Tensor& x, const Tensor& weight, const Tensor& scales,
                                  const OptionalTensor& bias);

@@ -1,5 +1,5 @@
 // fp32 sums to a layer's output dtype, plus its bias read in its own dtype: shared by the
-// linear-layer kernels (gemv.cpp, bf16_batch_linear.cpp).
+// linear-layer kernels (gemv_common.cpp, bf16_batch_linear.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
