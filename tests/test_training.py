@@ -64,12 +64,15 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
 
     import torch
 
-    from vlmserve.training import recipe, shapes, train
+    from vlmserve.training import recipe, shapes
+    from vlmserve.training.batches import make_batch
+    from vlmserve.training.lookup import lookup_loss
+    from vlmserve.training.visual_labels import token_cells
 
     tokenizer = recipe.build_tokenizer()
     processor = recipe.build_processor(tokenizer)
     for kind in ("caption", "short"):
-        inputs, _ = train.make_batch(processor, random.Random(kind), kind, 8, 4)
+        inputs, _ = make_batch(processor, random.Random(kind), kind, 8, 4)
         ids, labels = inputs["input_ids"], inputs["labels"]
         assert len(inputs["lookup"])
         for row, query, cell in inputs["lookup"].tolist():
@@ -84,7 +87,7 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
     # a clip's targets: the moving shape's token in each frame (one a slot), the last one on its way
     steps = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
     for kind in ("video_caption", "video_moving"):
-        clips, _ = train.make_batch(processor, random.Random(kind), kind, 8)
+        clips, _ = make_batch(processor, random.Random(kind), kind, 8)
         found: dict[tuple[int, int], list[int]] = {}
         for row, query, token in clips["lookup"].tolist():
             assert clips["labels"][row, query + 1] != -100
@@ -103,15 +106,15 @@ def test_lookup_targets_point_at_the_object_each_answer_names():
     # attention all on the right cell costs nothing; spread evenly, it costs
     image_token_id = recipe.build_config(tokenizer).image_token_id
     cells = torch.full_like(ids, -1)
-    cells[ids == image_token_id] = train.token_cells().repeat(len(ids))
+    cells[ids == image_token_id] = token_cells().repeat(len(ids))
     targets = inputs["lookup"]
     right = torch.zeros(len(ids), 4, ids.shape[1], ids.shape[1])
     for row, query, cell in targets.tolist():
         in_cell = (cells[row] == cell).float()
         right[row, 0, query] = in_cell / in_cell.sum()
-    assert train.lookup_loss([right], ids, targets, (image_token_id,)).item() < 1e-5
+    assert lookup_loss([right], ids, targets, (image_token_id,)).item() < 1e-5
     even = torch.full_like(right, 1 / ids.shape[1])
-    assert train.lookup_loss([even], ids, targets, (image_token_id,)).item() > 1.0
+    assert lookup_loss([even], ids, targets, (image_token_id,)).item() > 1.0
 
 
 def test_one_frame_patches_see_a_picture_as_two_frame_patches_did():
