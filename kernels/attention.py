@@ -69,14 +69,18 @@ def build_attention_metadata(
     staging; the default keeps them on the CPU). key_ends: see AttentionMetadata."""
     num_computed = np.asarray(num_computed, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
-    if not isinstance(block_tables, torch.Tensor):
-        block_tables = upload("block_tables", np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1))
     query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start[1:])
     seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
     pos = np.arange(int(query_start[-1])) - query_start[seq_of_token] + num_computed[seq_of_token]
-    seq_t, pos_t = upload("seq_of_token", seq_of_token), upload("token_positions", pos)
-    slots = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
+    if isinstance(block_tables, torch.Tensor):  # on the device already: the slots computed there
+        seq_t, pos_t = upload("seq_of_token", seq_of_token), upload("token_positions", pos)
+        slots = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
+    else:  # host arrays: the slots too, then both uploaded
+        host_tables = np.asarray(block_tables, dtype=np.int32).reshape(len(query_lens), -1)
+        slots = upload("slot_mapping", host_tables[seq_of_token, pos // block_size].astype(np.int64) * block_size
+                       + pos % block_size)
+        block_tables = upload("block_tables", host_tables)
     seq_lens = num_computed + query_lens
     return AttentionMetadata(
         slot_mapping=slots,

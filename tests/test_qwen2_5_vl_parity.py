@@ -172,7 +172,7 @@ def test_long_prompt_chunks_on_flash_attention(qwen25_path, hf_qwen25, route, mo
 
 def test_encoder_calls_group_items_in_order_up_to_a_size():
     from vlmserve.multimodal.inputs import MultiModalFeature
-    from vlmserve.worker.model_runner import encoder_calls
+    from vlmserve.worker.encoder_runner import encoder_calls
 
     items = [MultiModalFeature("image", str(i), 0, n, {}) for i, n in enumerate([300, 700, 1500, 4000, 10, 20])]
     groups = [[f.length for f in g] for g in encoder_calls(items, 2048)]
@@ -184,9 +184,9 @@ def test_pictures_encoded_in_several_calls_match_transformers(qwen25_path, hf_qw
     """A step's pictures go through the vision tower in calls of a bounded size (a step's
     whole encoder budget at once held every block's activations for all its patches): two
     pictures in one step, encoded one a call, give transformers' tokens and logprobs."""
-    from vlmserve.worker import model_runner
+    from vlmserve.worker import encoder_runner
 
-    monkeypatch.setattr(model_runner, "ENCODER_CALL_TOKENS", 1)
+    monkeypatch.setattr(encoder_runner, "ENCODER_CALL_TOKENS", 1)
     llm = LLM(qwen25_path, num_kv_blocks=256)
     text, images = CASES["two_images"]
     out = llm.generate(request(hf_qwen25, text, images), greedy(prompt_logprobs=-1))[0]

@@ -67,7 +67,7 @@ def test_chunked_prefill_through_two_pictures(family):
 def test_the_encoder_cache_keeps_every_deepstack_level(qwen3vl_path, hf_qwen3vl):
     llm = LLM(qwen3vl_path, num_kv_blocks=256)
     llm.generate(request(hf_qwen3vl, "Describe the image.", [IMG_A]), greedy(2))
-    (features,) = llm.engine.engine_core.runner.encoder_cache.values()
+    (features,) = llm.engine.engine_core.runner.encoder.cache.values()
     hidden = hf_qwen3vl.model.config.text_config.hidden_size
     levels = 1 + len(hf_qwen3vl.model.config.vision_config.deepstack_visual_indexes)
     assert features.shape[1] == levels * hidden == 3 * hidden

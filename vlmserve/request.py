@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -77,8 +78,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter it runs under (None: the base model)
-        # an embedding request: its prompt is pooled into one vector, nothing is sampled
-        self.pooling_params = pooling_params
+        self.pooling_params = pooling_params  # an embedding request's: its prompt is pooled, nothing sampled
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -89,6 +89,7 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens of a step in flight, not yet on the host
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not looked up
         self.num_preemptions = 0
 
@@ -157,14 +158,27 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        if hasher is not None and len(self._all_token_ids) >= (len(self.block_hashes) + 1) * hasher.block_size:
+            self.block_hashes.extend(hasher(self))  # a block filled up
+
+    @functools.cached_property
+    def needs_its_last_token(self) -> bool:
+        """Whether sampling its next token reads the tokens before it (penalties, a bad word
+        of several tokens, min_tokens' bans, a grammar) or it runs under an adapter: its
+        next step cannot be scheduled while its last token is still being sampled. Read
+        once, when the scheduler takes it (its grammar is set by then)."""
+        p = self.sampling_params
+        return (self.compiled_grammar is not None or self.grammar is not None or self.lora_request is not None
+                or p.has_penalties or p.min_tokens > 0 or any(len(word) > 1 for word in p.bad_words_token_ids))
 
     @property
     def computes_every_prompt_token(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,16 @@ class StructuredOutputsParams:
                 "grammar": "grammar"}[self.key[0]]
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs carry as it runs (vLLM's names): the text and tokens so far
+    at every step, only the new ones, or nothing until the end (the offline LLM and
+    non-streaming requests: no output is made for them step by step)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -118,6 +129,7 @@ class SamplingParams:
     min_p: float = 0.0  # drops tokens below min_p times the most likely token's probability
     # bad_words as token-id sequences, set by the engine with its tokenizer
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         """Range checks that need no model; `verify` adds the model's. Each failure is a

@@ -25,6 +25,17 @@ class PrefixCacheStats:
     hits: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class QuietUntil:
+    """Until when a request's allocations have nothing to do (most of a decode's steps):
+    while its slots fit the blocks it holds, no block of it fills up for the prefix cache,
+    and no block falls out of a sliding window."""
+
+    slots: int  # the slots its blocks hold
+    cache_at: int  # the tokens at which its next block is full (registered in the prefix cache)
+    skip_at: int  # the computed tokens at which a sliding window lets go of a block
+
+
 @dataclass
 class PrefixHit:
     """The longest cached prefix of a request that every group can serve."""
@@ -52,6 +63,7 @@ class KVCacheManager:
         pool = StatePool(config.num_state_slots, config.num_state_snapshots)
         self.states = RecurrentStateManager(pool, self.block_size, enable_caching) if self.recurrent_groups else None
         self.stats = PrefixCacheStats([0] * len(config.groups), [0] * len(config.groups))
+        self.quiet: dict[str, QuietUntil] = {}
 
     # -- prefix cache ---------------------------------------------------------------
     def find_prefix_hit(self, request: Request) -> PrefixHit:
@@ -117,12 +129,16 @@ class KVCacheManager:
         success, the request's full blocks are registered in the prefix cache.
         """
         rid = request.request_id
-        for _, manager in self.attention_managers:
-            manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-        hit_blocks = hit.blocks if hit else [[] for _ in self.attention_managers]
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_tokens = min(num_computed + num_new_tokens, self.max_model_len)
         num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+        quiet = self.quiet.get(rid)
+        if quiet is not None and hit is None and num_slots <= quiet.slots and num_computed < quiet.skip_at \
+                and (not self.enable_caching or min(num_tokens, request.num_tokens) < quiet.cache_at):
+            return [[] for _ in self.attention_managers]  # nothing to do: the common decode step
+        for _, manager in self.attention_managers:
+            manager.remove_skipped_blocks(rid, request.num_computed_tokens)
+        hit_blocks = hit.blocks if hit else [[] for _ in self.attention_managers]
         needed = sum(m.get_num_blocks_to_allocate(rid, num_slots, hit_blocks[a])
                      for a, (_, m) in enumerate(self.attention_managers))
         if needed > self.block_pool.get_num_free_blocks():
@@ -135,13 +151,27 @@ class KVCacheManager:
             manager.save_new_computed_blocks(rid, hit_blocks[a])
         new_blocks = [[b.block_id for b in manager.allocate_new_blocks(rid, num_slots)]
                       for _, manager in self.attention_managers]
+        cacheable = min(num_tokens, request.num_tokens)
         if self.enable_caching:
-            cacheable = min(num_tokens, request.num_tokens)
             for _, manager in self.attention_managers:
                 manager.cache_blocks(request, cacheable)
             if self.states:
                 self.states.snapshot(request, cacheable)
+        self._note_quiet(request, num_computed, cacheable)
         return new_blocks
+
+    def _note_quiet(self, request: Request, num_computed: int, cacheable: int) -> None:
+        """Until when the request's next allocations have nothing to do (QuietUntil); none
+        while a recurrent-state snapshot may still be due (a cache point ahead)."""
+        rid = request.request_id
+        if self.states and request.cache_points and request.cache_points[-1] > cacheable:
+            self.quiet.pop(rid, None)
+            return
+        managers = [m for _, m in self.attention_managers]
+        self.quiet[rid] = QuietUntil(
+            slots=min((m.num_slots(rid) for m in managers), default=self.max_model_len),
+            cache_at=min((m.next_full_block_at(rid) for m in managers), default=self.max_model_len + 1),
+            skip_at=min((m.next_skip_at(rid, num_computed) for m in managers), default=self.max_model_len + 1))
 
     def take_draft_checkpoints(self, request: Request, num_drafts: int) -> list[int] | None:
         """Recurrent-state slots for the state after each draft position this step but
@@ -154,6 +184,7 @@ class KVCacheManager:
         return dict(self.states.checkpoints) if self.states else {}
 
     def free(self, request: Request) -> None:
+        self.quiet.pop(request.request_id, None)
         for _, manager in self.attention_managers:
             manager.free(request.request_id)
         if self.states:
@@ -184,6 +215,7 @@ class KVCacheManager:
         """After a step that failed: what it was to compute must not be hit later.
         computed_before: request id -> tokens it had computed before the step."""
         for request_id, num_tokens in computed_before.items():
+            self.quiet.pop(request_id, None)
             for _, manager in self.attention_managers:
                 manager.forget_from(request_id, num_tokens)
         if self.states:

@@ -67,6 +67,9 @@ class SchedulerOutput:
     draft_checkpoints: dict[str, list[int]] = field(default_factory=dict)
     # whether drafts proposed after this step could be checked (not while too many run)
     propose_drafts: bool = True
+    # the requests that sample a token this step (until their output comes back, the next
+    # step sees it as a placeholder)
+    sampling_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass

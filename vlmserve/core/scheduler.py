@@ -6,60 +6,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.request_queue import WaitingQueue
-from vlmserve.core.sched_output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                        SchedulerOutput, SchedulerStats)
+from vlmserve.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from vlmserve.core.step_plan import StepPlan
 from vlmserve.request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from vlmserve.structured_output.manager import RequestGrammar
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepPlan:
-    """What one schedule() call has decided so far; it lives for that call only."""
-
-    token_budget: int
-    encoder_budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # request -> its media encoded now
-    encoder_cost: dict[str, int] = field(default_factory=dict)  # request -> encoder budget it took
-    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)  # per attention group
-    running: list[Request] = field(default_factory=list)  # running before, scheduled now
-    new: list[Request] = field(default_factory=list)  # from the waiting queue
-    preempted: list[Request] = field(default_factory=list)
-    encoding: set[str] = field(default_factory=set)  # mm_hashes sent to the encoder
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # request -> its drafts checked now
-
-    def add(self, request: Request, num_new: int, to_encode: list[int], cost: int, blocks: list[list[int]],
-            new: bool = False) -> None:
-        rid = request.request_id
-        (self.new if new else self.running).append(request)
-        self.num_scheduled[rid] = num_new
-        self.token_budget -= num_new
-        self.encoder_budget -= cost
-        self.new_block_ids[rid] = blocks
-        if to_encode:
-            self.encoder_inputs[rid] = to_encode
-            self.encoder_cost[rid] = cost
-
-    def remove(self, request: Request) -> list[int]:
-        """Takes a running request back out of the step; returns its encoder inputs."""
-        rid = request.request_id
-        self.running.remove(request)
-        self.token_budget += self.num_scheduled.pop(rid)
-        self.encoder_budget += self.encoder_cost.pop(rid, 0)
-        self.new_block_ids.pop(rid)
-        self.drafts.pop(rid, None)
-        return self.encoder_inputs.pop(rid, [])
 
 
 class Scheduler:
@@ -77,6 +44,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
+        self.num_needing_last_token = 0  # requests held whose next token reads their last
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -86,6 +54,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.num_needing_last_token += request.needs_its_last_token
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
@@ -256,6 +225,12 @@ class Scheduler:
     def _plan_tokens(self, request: Request, num_computed: int, plan: StepPlan) -> tuple[int, list[int], int]:
         """How many tokens the request computes this step, which of its media go through
         the encoder for them, and the encoder budget that takes."""
+        if num_computed >= request.num_prompt_tokens and \
+                request.num_tokens + request.num_output_placeholders - num_computed == 1:
+            # a decode (its media are all behind it): one token, unless the one in flight is its last
+            if request.num_output_placeholders and self._ends_with_placeholder(request):
+                return 0, [], 0
+            return (1 if plan.token_budget > 0 and num_computed < self.config.max_model_len else 0), [], 0
         num_new = self._num_new_tokens(request, num_computed, plan.token_budget)
         if num_new == 0 or not request.has_encoder_inputs:
             return num_new, [], 0
@@ -304,13 +279,21 @@ class Scheduler:
             propose_drafts=self._drafting(),
         )
         self.finished_req_ids = set()
-        # progress is counted at schedule time, so the next step can be planned at once
+        # progress is counted at schedule time, so the next step can be planned at once; a
+        # request whose known tokens (and placeholders) are all computed now samples one
         for rid, n in plan.num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            if request.pooling_params is None and \
+                    request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+                output.sampling_req_ids.add(rid)
         return output
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        if request.num_output_placeholders and self._ends_with_placeholder(request):
+            return 0  # the token in flight is its last: no step for it
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if not self.config.enable_chunked_prefill and num_new > token_budget:
             return 0
         # the last position fed to the model must stay inside the context
@@ -324,6 +307,20 @@ class Scheduler:
                 end = max(f.offset, num_computed)
                 break
         return end - num_computed
+
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """Whether the request's token in flight is its last by length (max_tokens, the
+        context): known before the token is."""
+        produced = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and produced >= max_tokens) or \
+            request.num_tokens + request.num_output_placeholders >= self.config.max_model_len
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled while the last one is still sampling: not
+        while a request's next token depends on the one in flight (see
+        Request.needs_its_last_token; counted over every request held, running or not)."""
+        return not self.num_needing_last_token
 
     def _schedule_encoder_inputs(
         self, request: Request, num_computed: int, num_new: int, plan: StepPlan
@@ -384,6 +381,31 @@ class Scheduler:
         for mm_hash in encoded:
             self.encoder_cache_manager.discard(mm_hash)
 
+    def requeue_step(self, scheduler_output: SchedulerOutput, failing: set[str]) -> None:
+        """After the step before this one failed (asynchronous scheduling: this one was
+        queued behind it and ran on what it left): this step's progress is taken back, and
+        its requests that are not `failing` with the earlier step start again (preempted);
+        nothing it computed (KV blocks, encoder outputs) can be hit later."""
+        computed_before, encoded = {}, set()
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= n
+            if rid in scheduler_output.sampling_req_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            computed_before[rid] = request.num_computed_tokens
+            encoded |= {request.mm_features[j].mm_hash for j in scheduler_output.scheduled_encoder_inputs.get(rid, [])}
+        self.kv_cache_manager.discard_step(computed_before)
+        for rid in computed_before:
+            request = self.requests[rid]
+            if rid not in failing and request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+        for mm_hash in encoded:
+            self.encoder_cache_manager.discard(mm_hash)
+
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s", request.request_id)
         self.kv_cache_manager.free(request)
@@ -392,6 +414,7 @@ class Scheduler:
             request.grammar.release()  # a fresh matcher replays the tokens on resumption
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight still comes back, and is kept
         request.draft_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -407,6 +430,8 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
+            if rid in scheduler_output.sampling_req_ids and request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             try:
                 self._settle_drafts(request, scheduler_output, runner_output)
                 output = self._update_request(request, runner_output)
@@ -435,7 +460,8 @@ class Scheduler:
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
         rid = request.request_id
-        self._free_finished_encoder_inputs(request)
+        if request.mm_features:
+            self._free_finished_encoder_inputs(request)
         index = runner_output.req_id_to_index[rid]
         new_token_ids = runner_output.sampled_token_ids[index]
         prompt_logprobs = runner_output.prompt_logprobs.get(rid)
@@ -466,7 +492,10 @@ class Scheduler:
         )
         if request.is_finished():
             output.media_stats = request.media_stats()
-            self.running.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            else:  # preempted while its last step ran (asynchronous scheduling): it waits
+                self.waiting.remove(request)
             self._free_request(request)
         return output
 
@@ -506,6 +535,7 @@ class Scheduler:
         self.encoder_cache_manager.free(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self.num_needing_last_token -= request.needs_its_last_token
         del self.requests[request.request_id]
 
     # -- views ---------------------------------------------------------------------------

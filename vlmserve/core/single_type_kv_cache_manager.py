@@ -78,6 +78,18 @@ class SingleTypeKVCacheManager:
         for block in self.req_to_blocks.get(request_id, [])[num_tokens // self.block_size:]:
             self.block_pool.uncache(block)
 
+    def num_slots(self, request_id: str) -> int:
+        """The token slots the request's blocks hold (let-go blocks included)."""
+        return len(self.req_to_blocks[request_id]) * self.block_size
+
+    def next_full_block_at(self, request_id: str) -> int:
+        """The tokens at which the request's next block is full and registered."""
+        return (self.num_cached_block.get(request_id, 0) + 1) * self.block_size
+
+    def next_skip_at(self, request_id: str, num_computed_tokens: int) -> float:
+        """The computed tokens at which a block of the request is let go (never: inf)."""
+        return float("inf")
+
     def num_held_blocks(self, request_id: str) -> int:
         return sum(1 for b in self.req_to_blocks.get(request_id, []) if not b.is_null)
 
@@ -126,6 +138,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 return hit[: i + run]
         # no full window anywhere: only a run starting at block 0 is usable
         return hit[:run]
+
+    def next_skip_at(self, request_id: str, num_computed_tokens: int) -> float:
+        skipped = max(num_computed_tokens - self.spec.sliding_window + 1, 0) // self.block_size
+        return (skipped + 1) * self.block_size + self.spec.sliding_window - 1
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         first_visible_token = num_computed_tokens - self.spec.sliding_window + 1

@@ -97,6 +97,9 @@ class EngineArgs:
     # front end's HTTP, media and detokenizing; on 2 cores it measured slower)
     engine_process: bool = False
     time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
+    # schedule and prepare the next step while the device computes the last one (one step in
+    # flight; on the CPU the forward runs on a thread of its own): the same tokens as without
+    async_scheduling: bool = True
     # JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model":
     # "<folder or org/name>", "num_speculative_tokens": 3}; empty: no speculative decoding

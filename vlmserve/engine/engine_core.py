@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
-from vlmserve.core.sched_output import EngineCoreOutput, SchedulerStats
+from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
@@ -23,12 +24,13 @@ from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
-from vlmserve.spec_decode.draft_model import DraftModelProposer, load_draft_model
+from vlmserve.spec_decode.draft_model import DraftModelProposer, check_draft_model
 from vlmserve.spec_decode.ngram_proposer import NgramProposer
 from vlmserve.structured_output.manager import StructuredOutputManager
+from vlmserve.worker.device_queue import DeviceQueue
 from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.model_loader import load_model
-from vlmserve.worker.model_runner import ModelRunner
+from vlmserve.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +55,30 @@ class CoreInfo:
     lora_targets: dict[str, LoRATarget] | None = None
 
 
+@dataclass
+class InFlight:
+    """A step whose device work was queued and whose output the host has not taken yet."""
+
+    so: SchedulerOutput
+    pending: PendingStep
+
+
 class EngineCore:
+    """schedule -> execute -> update, one step at a time; or, with async_scheduling, with one
+    step in flight: the next step is scheduled and its inputs prepared while the device
+    computes the last one (its decodes' tokens are placeholders, filled on the device), and
+    the last one's output is processed after the next is launched. Where the next step needs
+    the last one's tokens on the host first (a grammar's mask, penalties, drafts to check,
+    an adapter), the pipeline drains: the last step finishes before the next is scheduled."""
+
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, structured: StructuredOutputManager,
-                 timer: PhaseTimer | None = None) -> None:
+                 timer: PhaseTimer | None = None, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.structured = structured
         self.timer = timer or PhaseTimer()
+        self.async_scheduling = async_scheduling
+        self.in_flight: InFlight | None = None
         self.num_steps = 0
         self.num_empty_steps = 0  # steps in a row that scheduled nothing while requests waited
 
@@ -94,7 +113,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self.in_flight is not None
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -108,8 +127,34 @@ class EngineCore:
         return True
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_requests():
-            return []
+        outputs: list[EngineCoreOutput] = []
+        if self.in_flight is not None and not self._can_schedule_ahead():
+            outputs += self._finish(self._take_in_flight())  # drain: the next step needs its tokens
+        launched = None
+        if self.scheduler.has_requests():
+            launched = self._launch(outputs)
+        if self.in_flight is not None:
+            outputs += self._finish(self._take_in_flight(), behind=launched)
+            if launched is not None and launched.pending is None:  # requeued behind a failed step
+                launched = None
+        self.in_flight = launched
+        # nothing to overlap with: without async scheduling, or when the step in flight
+        # holds the last requests (or only ones that have finished since it was launched)
+        if self.in_flight is not None and (not self.async_scheduling or not self.scheduler.has_requests()):
+            outputs += self._finish(self._take_in_flight())
+        return outputs
+
+    def _can_schedule_ahead(self) -> bool:
+        return self.async_scheduling and self.runner.proposer is None and self.scheduler.can_schedule_ahead() \
+            and not (self.in_flight.so.state_saves or self.in_flight.so.state_restores)
+
+    def _take_in_flight(self) -> InFlight:
+        flight, self.in_flight = self.in_flight, None
+        return flight
+
+    def _launch(self, outputs: list[EngineCoreOutput]) -> InFlight | None:
+        """Schedules a step and queues it on the runner (None: a fault ended its requests);
+        requests ended before it runs (their grammar is done) go into outputs."""
         with self.timer.phase("schedule"):
             scheduler_output = self.scheduler.schedule()
         with self.timer.phase("grammar bitmask"):
@@ -118,22 +163,40 @@ class EngineCore:
         # the answer where it is; a matcher that cannot follow its answer is a fault
         ended = self.scheduler.end_scheduled(grammars.finished, RequestStatus.FINISHED_STOPPED)
         ended += self.scheduler.end_scheduled(list(grammars.broken), RequestStatus.FINISHED_ERROR, grammars.broken)
-        grammar = grammars.bitmask
+        outputs += ended
         self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended))
         try:
-            runner_output = self.runner.execute_model(scheduler_output, grammar)
+            return InFlight(scheduler_output, self.runner.submit(scheduler_output, grammars.bitmask))
         except Exception as e:
-            # a fault in the model fails the requests of this step, not the engine
-            logger.exception("model execution failed")
-            ids = list(scheduler_output.num_scheduled_tokens)
-            self.scheduler.discard_step(scheduler_output)
-            return ended + [
-                EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(e).__name__}: {e}")
-                for rid in ids
-            ]
+            outputs += self._fail(scheduler_output, e)
+            return None
+
+    def _finish(self, flight: InFlight, behind: InFlight | None = None) -> list[EngineCoreOutput]:
+        """Takes a step's output and updates the scheduler with it. If its device work
+        failed, its requests end with an error, and the step queued behind it (which ran on
+        what it left) is undone: its requests start again."""
+        try:
+            runner_output = flight.pending.result()
+        except Exception as e:
+            if behind is not None and behind.pending is not None:
+                try:
+                    behind.pending.result()
+                except Exception:  # it ran on the failed step's state: what it says is moot
+                    pass
+                self.scheduler.requeue_step(behind.so, failing=set(flight.so.num_scheduled_tokens))
+                behind.pending = None
+            return self._fail(flight.so, e)
         self.num_steps += 1
         with self.timer.phase("scheduler update"):
-            return ended + self.scheduler.update_from_output(scheduler_output, runner_output)
+            return self.scheduler.update_from_output(flight.so, runner_output)
+
+    def _fail(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """A fault in the model fails the requests of its step, not the engine."""
+        logger.exception("model execution failed", exc_info=error)
+        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.scheduler.requests]
+        self.scheduler.discard_step(scheduler_output)
+        return [EngineCoreOutput(rid, [], FinishReason.ERROR, error=f"internal error: {type(error).__name__}: {error}")
+                for rid in ids]
 
 
 def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | None,
@@ -147,19 +210,15 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     draft_path = None
     if speculative and speculative.method == "draft_model":
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
-    kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
-    pooler = resolve_pooler(args.runner, args.pooler_config, model_path)
-    embeds = pooler is not None and pooler.task == "embed"  # a reranker keeps its head: its score is two logits
-    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
-                                   args.quantization, embeds)
-    dtype = next(model.parameters()).dtype
-    groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
-    draft_model, draft_groups = None, []
     if speculative:
         logger.info("speculative decoding: %s", speculative)
-        if draft_path:
-            draft_model, draft_groups = load_draft_model(draft_path, groups, dtype, kernels, args.device,
-                                                         args.pack_weights, args.block_size)
+    # the device work's thread (async scheduling on the CPU) builds the models it runs
+    queue = DeviceQueue(threaded=args.async_scheduling and torch.device(args.device).type == "cpu")
+    kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
+    model, hf_config, draft_model = queue.call(lambda: _load_models(args, model_path, kernels, draft_path))
+    dtype = next(model.parameters()).dtype
+    groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
+    draft_groups = [] if draft_model is None else check_draft_model(draft_model, groups, args.block_size, dtype)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
     max_num_seqs = running_limit(args, groups, num_drafts, draft_groups)
@@ -189,14 +248,28 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         proposer = DraftModelProposer(draft_model, num_drafts, kv_config, max_num_seqs, max_model_len)
     elif speculative is not None:
         proposer = NgramProposer(speculative)
-    runner = ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device, args.seed, timer,
-                         proposer, lora, cuda_graphs=not args.enforce_eager)
+    runner = queue.call(lambda: ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device,
+                                            args.seed, timer, proposer, lora, not args.enforce_eager, queue))
     kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
     scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, max_num_seqs)
     info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start, lora.targets if lora else None)
-    return EngineCore(scheduler, runner, structured, timer), info
+    return EngineCore(scheduler, runner, structured, timer, args.async_scheduling), info
+
+
+def _load_models(args: EngineArgs, model_path: str, kernels, draft_path: str | None
+                 ) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
+    """The model (and the draft model, for speculative decoding with one)."""
+    pooler = resolve_pooler(args.runner, args.pooler_config, model_path)
+    embeds = pooler is not None and pooler.task == "embed"  # a reranker keeps its head: its score is two logits
+    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
+                                   args.quantization, embeds)
+    draft_model = None
+    if draft_path:
+        draft_model = load_model(draft_path, next(model.parameters()).dtype, kernels, args.device,
+                                 args.pack_weights)[0]
+    return model, hf_config, draft_model
 
 
 def state_bytes_per_request(groups, num_drafts: int = 0, draft_groups=()) -> int:

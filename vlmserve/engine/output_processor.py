@@ -11,7 +11,7 @@ from tokenizers.decoders import DecodeStream
 
 from vlmserve.core.sched_output import EngineCoreOutput
 from vlmserve.outputs import CompletionOutput, LogprobsEntry, RequestMetrics, RequestOutput
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,9 @@ class _Sample:
     logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # what the last output gave (RequestOutputKind.DELTA: the next gives what came after)
+    sent_text: int = 0
+    sent_tokens: int = 0
 
     def visible_text(self) -> str:
         """While running, text that may still turn out to be the start of a stop string
@@ -98,13 +101,17 @@ class _Sample:
         return self.text[: max(len(self.text) - hold, 0)]
 
     def completion(self) -> CompletionOutput:
+        text, start = self.visible_text(), 0
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            text, start = text[self.sent_text :], self.sent_tokens
+            self.sent_text, self.sent_tokens = self.sent_text + len(text), len(self.token_ids)
         return CompletionOutput(
             index=self.index,
-            text=self.visible_text(),
-            token_ids=list(self.token_ids),
+            text=text,
+            token_ids=self.token_ids[start:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
         )
 
 
@@ -124,6 +131,11 @@ class _RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def streams(self) -> bool:
+        """Whether its caller takes an output every step (not only the last)."""
+        return self.samples[0].params.output_kind != RequestOutputKind.FINAL_ONLY
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -207,7 +219,9 @@ class OutputProcessor:
             if state.finished:
                 state.metrics.finished_time = now
                 self._forget(state.request_id)
-            outputs.append(state.output())
+                outputs.append(state.output())
+            elif state.streams:
+                outputs.append(state.output())
         return outputs, to_abort
 
     def _process_one(self, out: EngineCoreOutput, state: _RequestState, sample: _Sample, now: float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -18,7 +19,7 @@ from vlmserve.entrypoints.scoring import ScoringPlan, score_pairs
 from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from vlmserve.pooling_params import PoolingParams
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -111,6 +112,8 @@ class LLM:
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        # the calls return finished requests alone: no output is made for them step by step
+        sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
         loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
             else list(lora_request)
         if len(loras) != len(prompts):

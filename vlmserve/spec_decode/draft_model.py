@@ -28,21 +28,18 @@ from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCac
                                          SlidingWindowSpec, group_layers)
 from vlmserve.core.sched_output import SchedulerOutput
 from vlmserve.errors import ConfigError
-from vlmserve.kernels import KernelTable
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.worker.input_batch import InputBatch
-from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.proposer import Proposer
 from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
-def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.dtype, kernels: KernelTable,
-                     device: str, pack_weights: bool, block_size: int) -> tuple[torch.nn.Module, list[KVCacheGroup]]:
-    """The draft model in the target's dtype, and its layers' KV cache groups (for the
-    memory budget). ConfigError if its layers cannot live in the target's memory."""
-    model, _ = load_model(path, dtype, kernels, device, pack_weights)
+def check_draft_model(model: torch.nn.Module, target_groups: list[KVCacheGroup], block_size: int,
+                      dtype: torch.dtype) -> list[KVCacheGroup]:
+    """The draft model's KV cache groups (for the memory budget); ConfigError if its layers
+    cannot live in the target's memory."""
     groups = group_layers(model.kv_cache_specs(block_size, dtype))
     has_recurrent = any(isinstance(g.spec, MambaSpec) for g in groups)
     if has_recurrent and not any(isinstance(g.spec, MambaSpec) for g in target_groups):
@@ -52,7 +49,7 @@ def load_draft_model(path: str, target_groups: list[KVCacheGroup], dtype: torch.
     if has_attention and not any(type(g.spec) is FullAttentionSpec for g in target_groups):
         raise ConfigError("--speculative-config model: the target has no full-attention layers whose blocks the "
                           "draft's attention could use")
-    return model, groups
+    return groups
 
 
 class DraftModelProposer(Proposer):

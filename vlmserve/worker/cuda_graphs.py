@@ -80,6 +80,17 @@ class _Buffers:
 
 
 @dataclass
+class GraphStep:
+    """What a replay reads of the host's batch, taken when the step is prepared."""
+
+    size: int  # the captured size it pads to
+    seq_lens: np.ndarray  # [n] int32
+    slot_mappings: list[np.ndarray]  # per attention group [n] int64
+    rows: torch.Tensor  # the batch rows, for the device block tables
+    state_slots: np.ndarray | None  # [n] int64 (models with recurrent layers)
+
+
+@dataclass
 class GraphInputs:
     """What capturing and replaying read of the runner: its model and kernels, its layer
     plan (KV caches, attention groups, recurrent layers), its batch and input builder."""
@@ -178,32 +189,39 @@ class CudaGraphs:
             buffers.hidden = self._forward(buffers)
         self.buffers[size] = buffers
 
-    def replay(self, step: StepInputs) -> torch.Tensor:
+    def prepare(self, step: StepInputs) -> GraphStep:
+        """What the step's replay reads of the host's batch (block tables, state slots)."""
+        runner = self.runner
+        rows = np.asarray(step.rows, dtype=np.int64)
+        pos = np.asarray(step.num_computed, dtype=np.int64)
+        block_size = runner.block_size
+        slot_mappings = [runner.input_batch.block_tables[a][rows, pos // block_size].astype(np.int64) * block_size
+                         + pos % block_size for _, a, _ in runner.plan.attention]
+        state_slots = None
+        if runner.plan.recurrent_layers:
+            states = runner.input_batch.states
+            state_slots = np.asarray([states[row].state_slot for row in step.rows], dtype=np.int64)
+        return GraphStep(padded_size(len(rows), self.sizes), (pos + 1).astype(np.int32), slot_mappings,
+                         runner.inputs.staging.upload("graph.rows", rows), state_slots)
+
+    def replay(self, graph_step: GraphStep, step: StepInputs) -> torch.Tensor:
         """The step's hidden states [n, hidden] from the graph of the nearest size (valid
         until the next replay)."""
         runner = self.runner
         n = len(step.rows)
-        buffers = self.buffers[padded_size(n, self.sizes)]
+        buffers = self.buffers[graph_step.size]
         staging = runner.inputs.staging
-        rows = np.asarray(step.rows, dtype=np.int64)
-        pos = np.asarray(step.num_computed, dtype=np.int64)
-        block_size = runner.block_size
         buffers.input_ids[:n].copy_(step.input_ids)
         buffers.input_ids[n:].zero_()
         buffers.positions[:, :n].copy_(step.positions)
-        buffers.seq_lens[:n].copy_(staging.upload("graph.seq_lens", (pos + 1).astype(np.int32)))
+        buffers.seq_lens[:n].copy_(staging.upload("graph.seq_lens", graph_step.seq_lens))
         buffers.seq_lens[n:].zero_()
-        rows_t = staging.upload("graph.rows", rows)
         for j, (_, a, _) in enumerate(runner.plan.attention):
-            table = runner.input_batch.block_tables[a]
-            slots = table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
-            buffers.slot_mappings[j][:n].copy_(staging.upload(f"graph.slots{j}", slots))
+            buffers.slot_mappings[j][:n].copy_(staging.upload(f"graph.slots{j}", graph_step.slot_mappings[j]))
             buffers.slot_mappings[j][n:].fill_(-1)
-            buffers.block_tables[j][:n].copy_(runner.inputs.device_tables[a][rows_t])
-        if runner.plan.recurrent_layers:
-            states = runner.input_batch.states
-            slots = np.asarray([states[row].state_slot for row in step.rows], dtype=np.int64)
-            buffers.state_slots[:n].copy_(staging.upload("graph.state_slots", slots))
+            buffers.block_tables[j][:n].copy_(runner.inputs.device_tables[a][graph_step.rows])
+        if graph_step.state_slots is not None:
+            buffers.state_slots[:n].copy_(staging.upload("graph.state_slots", graph_step.state_slots))
             buffers.state_slots[n:].fill_(-1)
         buffers.graph.replay()
         self.replays += 1

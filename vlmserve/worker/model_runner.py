@@ -4,8 +4,9 @@ samples. It makes no scheduling decision: it does what the SchedulerOutput says.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from vlmserve.config import SchedulerConfig
@@ -14,51 +15,21 @@ from vlmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
 from vlmserve.lora.request import LoRARequest
-from vlmserve.multimodal.inputs import MultiModalFeature
-from vlmserve.outputs import LogprobsEntry
 from vlmserve.phase_timer import PhaseTimer
-from vlmserve.pooling_params import PoolingParams
 from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.cuda_graphs import CudaGraphs, GraphInputs
+from vlmserve.worker.device_queue import DeviceQueue
+from vlmserve.worker.encoder_runner import EncoderRunner
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.lora_slots import LoRASlots
+from vlmserve.worker.pooler import pool
+from vlmserve.worker.prepared_step import DeviceOutput, PreparedStep, SamplingPositions, VerifyInputs
+from vlmserve.worker.prompt_logprobs import gather_prompt_logprobs, prompt_logprob_rows
 from vlmserve.worker.proposer import Proposer
 from vlmserve.worker.rejection_sampler import can_verify, verify
-from vlmserve.worker.sampler import build_sampling_batch, logprobs_entry, sample
+from vlmserve.worker.sampler import build_sampling_batch, sample
 from vlmserve.worker.staging import Staging
 from vlmserve.worker.step_inputs import LayerPlan, StepInputBuilder, StepInputs
-
-
-# Embedding tokens of media one call of the vision tower takes (an item larger than this
-# alone): a step's encoder budget (8,192 by default) in one call held every block's
-# activations for up to 32k patches at once, 0.76 GB of temporaries at Qwen2.5-VL-3B's
-# widths that the process keeps (allocator.py); at 2,048 (8,192 patches) its
-# matmuls still take hundreds of rows a pass and run as fast.
-ENCODER_CALL_TOKENS = 2048
-
-
-def encoder_calls(features: list[MultiModalFeature], limit: int) -> list[list[MultiModalFeature]]:
-    """The items in order, in groups of at most `limit` embedding tokens (an item larger
-    than that in a group of its own)."""
-    groups: list[list[MultiModalFeature]] = []
-    size = 0
-    for feature in features:
-        if not groups or size + feature.length > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(feature)
-        size += feature.length
-    return groups
-
-
-@dataclass
-class SamplingPositions:
-    """The requests of a step that sample a token, those that check drafts, and where the
-    tokens they read are among the step's (the samplers' first, in order)."""
-
-    sample_idx: list[int]
-    verify_idx: list[int]
-    positions: list[int]
 
 
 class ModelRunner:
@@ -75,8 +46,11 @@ class ModelRunner:
         proposer: Proposer | None = None,
         lora: LoRASlots | None = None,
         cuda_graphs: bool = True,
+        queue: DeviceQueue | None = None,
     ) -> None:
+        """queue: where the steps' device work runs (default: where they are submitted)."""
         self.model = model
+        self.queue = queue or DeviceQueue()
         self.lora = lora  # the adapters' slots, where LoRA is on
         self.kernels = kernels  # every op the model calls in this runner's steps
         self.timer = timer or PhaseTimer()
@@ -85,6 +59,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.max_model_len = scheduler_config.max_model_len
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.vocab_size = model.text_config.vocab_size
         self.groups = kv_cache_config.groups
         self.block_size = self.groups[0].spec.block_size
         self.kv_caches = self._allocate_kv_caches()
@@ -95,8 +70,10 @@ class ModelRunner:
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks)
         self.inputs = StepInputBuilder(self.input_batch, Staging(self.device), self.block_size, self.device,
                                        model.bidirectional_media)
-        self.encoder_cache: dict[str, torch.Tensor] = {}
-        self.encoder_runs = 0  # media items encoded, for tests and stats
+        # the last step's sampled tokens, on the device (read by the device work of the
+        # next step), and each sampling request's index among them (read by its host prep)
+        self._sampled_on_device: torch.Tensor | None = None
+        self._sampled_index: dict[str, int] = {}
         self.plan = LayerPlan("target", self.kv_caches, [
             (g.layer_ids, a, g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None)
             for a, g in enumerate(attention_groups)],
@@ -104,6 +81,7 @@ class ModelRunner:
         self.proposer = proposer  # speculative decoding's drafts, where it is on
         if proposer is not None:
             proposer.bind(self.input_batch, self.inputs)
+        self.encoder = EncoderRunner(model, lora, proposer)
         # on CUDA decode-only steps replay graphs captured now (LoRA's per-token adapters are not captured)
         self.cuda_graphs = CudaGraphs.capture(
             GraphInputs(model, kernels, self.plan, self.input_batch, self.inputs, self.block_size, self.device),
@@ -141,77 +119,150 @@ class ModelRunner:
         return caches
 
     def load_lora(self, lora: LoRARequest) -> None:
-        """Reads an adapter into memory ahead of its first step (LoRAError if it cannot)."""
+        """Reads an adapter into memory ahead of its first step (LoRAError if it cannot), in
+        order with the device work (which fills the slots from what it reads)."""
         if self.lora is None:
             raise RuntimeError("a LoRA request reached an engine without LoRA")
-        self.lora.load(lora)
+        self.queue.call(lambda: self.lora.load(lora))
 
     def clear_encoder_cache(self) -> None:
-        self.encoder_cache.clear()
-        if self.proposer:
-            self.proposer.clear_encoder_cache()
+        self.queue.call(self.encoder.clear)
+
+    @property
+    def encoder_runs(self) -> int:
+        """Media items encoded so far."""
+        return self.encoder.runs
 
     # -- the step -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        with use_kernels(self.kernels):
-            return self._execute(so, grammar)
+        """Runs a step and waits for it."""
+        return self.submit(so, grammar).result()
 
-    def _execute(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
-        timer = self.timer
-        with timer.phase("runner: inputs"):
+    def submit(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> PendingStep:
+        """Prepares a step on the host (the batch's bookkeeping, the inputs, the sampling
+        settings) and queues its device work behind the step in flight, if any: the host
+        may prepare the next one while it runs. Its tokens come back by `result()`."""
+        with self.timer.phase("runner: inputs"), torch.inference_mode():
             self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], {}, [])
-        with timer.phase("runner: encoder"):
-            self._run_encoder(so)
-        with timer.phase("runner: inputs"):
-            step = self.inputs.prepare(so)
-            read = self._sampling_positions(step)
-            graphed = self.cuda_graphs is not None and self.cuda_graphs.fits(step)
-            output_rows = None if graphed else self._output_rows(step, read.positions)
-            if not graphed:
-                embeds, ctx = self.inputs.model_inputs(self.model, self.plan, step, self.encoder_cache, output_rows)
-        with timer.phase("runner: forward"):
-            self.inputs.copy_states(so.state_restores, self.plan)
+            if so.total_num_scheduled_tokens == 0:
+                return PendingStep(self, None, None)
+            prepared = self._prepare(so, grammar)
+        if not self.queue.threaded:  # the device work runs here and now: timed as such
+            return PendingStep(self, prepared, self.queue.submit(lambda: self._run_on_device(prepared)))
+        with self.timer.phase("runner: launch"):
+            return PendingStep(self, prepared, self.queue.submit(lambda: self._run_on_device(prepared)))
+
+    def _prepare(self, so: SchedulerOutput, grammar: GrammarBitmask | None) -> PreparedStep:
+        """Everything the step's device work reads of the host's batch, taken now."""
+        self.inputs.staging.next_step()
+        batch = self.input_batch
+        step = self.inputs.prepare(so, self._sampled_index)
+        rows = step.rows_array
+        read = self._sampling_positions(step)
+        graph = self.cuda_graphs.prepare(step) if self.cuda_graphs is not None and self.cuda_graphs.fits(step) \
+            else None
+        output_rows = None if graph is not None else self._output_rows(step, read.positions)
+        pooled = np.flatnonzero(batch.pooling[rows]).tolist()
+        prepared = PreparedStep(
+            so=so, step=step, read=read, graph=graph,
+            ctx=None if graph is not None else self.inputs.forward_context(step, self.plan, output_rows=output_rows),
+            merge=[] if graph is not None else self.inputs.merge_plan(step),
+            encode=self.encoder.plan(so, batch),
+            loras=[batch.states[row].lora_request for row in step.rows] if self.lora else None,
+            sample_req_ids=[step.req_ids[i] for i in read.sample_idx],
+            pooling=[(i, batch.states[step.rows[i]]) for i in pooled],
+            prompt_logprobs=prompt_logprob_rows(batch, step, read),
+        )
+        if read.sample_idx:
+            prepared.sampling = build_sampling_batch(batch, rows[read.sample_idx], self.vocab_size, grammar,
+                                                     self.eos_token_id, self.generator, self.inputs.staging.upload)
+        if read.verify_idx:
+            prepared.verify = self._verify_inputs(step, read.verify_idx)
+        # the next step's placeholders: where this step's tokens will be among its sampled ones
+        self._sampled_index = {rid: j for j, rid in enumerate(prepared.sample_req_ids)}
+        return prepared
+
+    def _run_on_device(self, p: PreparedStep) -> DeviceOutput:
+        """The step's device work, in order after the steps before it: the encoder, the
+        forward, sampling; the sampled tokens stay on the device for the next step."""
+        timer = PhaseTimer(self.timer.enabled)  # this thread's: merged in by the host with the output
+        with use_kernels(self.kernels), torch.inference_mode():
+            so, step = p.so, p.step
+            with timer.phase("device: encoder"):
+                self.encoder.run(p.encode, so.free_encoder_mm_hashes)
+            with timer.phase("device: forward"):
+                self.inputs.fill_placeholders(step, self._sampled_on_device)
+                hidden = self._forward(p)
+            with timer.phase("device: sample"):
+                out = DeviceOutput(pooled=pool(self.model, p, hidden), phases=timer.seconds)
+                # the forward gave only the rows read where output_rows said so
+                read = p.read
+                read_hidden = None if not read.positions else \
+                    hidden if p.ctx is None or p.ctx.output_rows is not None else hidden[read.positions]
+                self._sample(p, read_hidden, hidden, out)
+                self._sampled_on_device = out.sampled
+                if out.sampled is not None and self.device.type == "cuda":
+                    out.sampled_host = out.sampled.to("cpu", non_blocking=True)
+                    out.ready = torch.cuda.Event()
+                    out.ready.record()
+            return out
+
+    def _forward(self, p: PreparedStep) -> torch.Tensor:
+        so, step = p.so, p.step
+        self.inputs.copy_states(so.state_restores, self.plan)
+        if self.lora:
+            self.lora.set_tokens(p.loras, step.query_lens)
+        try:
+            if p.graph is not None:
+                hidden = self.cuda_graphs.replay(p.graph, step)
+            else:
+                embeds = self.inputs.embed(self.model, step, p.ctx, p.merge, self.encoder.cache)
+                hidden = self.model.forward(embeds, step.positions, p.ctx)
+        finally:
             if self.lora:
-                states = self.input_batch.states
-                self.lora.set_tokens([states[row].lora_request for row in step.rows], step.query_lens)
-            try:
-                hidden = self.cuda_graphs.replay(step) if graphed else self.model.forward(embeds, step.positions, ctx)
-            finally:
-                if self.lora:
-                    self.lora.clear()
-            self.inputs.copy_states(so.state_saves, self.plan)
-        with timer.phase("runner: sample"):
-            pooled = self._pool(step, hidden)
-            # the forward gave only the rows read where output_rows said so
-            read_hidden = None if not read.positions else hidden if output_rows is not None else hidden[read.positions]
-            sampled, logprobs, prompt_logprobs = self._sample(step, read, read_hidden, hidden, grammar)
-            kept = self._record(step, sampled)
+                self.lora.clear()
+        self.inputs.copy_states(so.state_saves, self.plan)
+        return hidden
+
+    def _result(self, p: PreparedStep | None, out: DeviceOutput | None) -> ModelRunnerOutput:
+        """The step's tokens on the host: recorded in the batch (by request: rows may have
+        moved since), drafts proposed for the next step (speculative decoding)."""
+        if p is None:
+            return ModelRunnerOutput([], {}, [])
+        self.timer.merge(out.phases)
+        step, read = p.step, p.read
+        tokens: list[int] = []
+        if out.sampled is not None:
+            if out.ready is not None:
+                out.ready.synchronize()
+            tokens = (out.sampled_host if out.sampled_host is not None else out.sampled).tolist()
+        self._record(p, tokens, out.verified)
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        for i, token in zip(read.sample_idx, tokens):
+            sampled[i] = [token]
+        for i, accepted in out.verified.items():
+            sampled[i] = accepted
         drafts = {}
         if self.proposer:
-            with timer.phase("runner: drafts"):
-                proposing = [i for i, tokens in enumerate(sampled) if self._proposes(step, i, tokens)]
-                drafts = self.proposer.propose(so, step, kept, proposing)
+            with self.timer.phase("runner: drafts"):
+                proposing = [i for i, accepted in enumerate(sampled) if self._proposes(step, i, accepted)]
+                kept = self._kept(step, sampled)
+                # on the device's thread: a draft model runs its forwards there
+                drafts = self.queue.call(lambda: self.proposer.propose(p.so, step, kept, proposing))
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
             sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
             draft_token_ids=drafts,
-            pooler_output=pooled,
+            pooler_output=out.pooled,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for rid in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(rid)
-        for mm_hash in so.free_encoder_mm_hashes:
-            self.encoder_cache.pop(mm_hash, None)
-        if self.proposer:
-            self.proposer.free_encoder_outputs(so.free_encoder_mm_hashes)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -225,102 +276,53 @@ class ModelRunner:
                 generator=gen,
                 mrope_positions=None if new.mrope_positions is None else new.mrope_positions.to(self.device),
                 mrope_delta=new.mrope_delta,
-                num_computed_tokens=new.num_computed_tokens,
-                num_output_tokens=len(new.output_token_ids),
                 state_slot=new.state_slot,
                 lora_request=new.lora_request,
                 pooling_params=new.pooling_params,
             )
-            batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids)
+            batch.add(state, new.prompt_token_ids + new.output_token_ids, new.block_ids, new.num_computed_tokens,
+                      len(new.output_token_ids))
         cached = so.scheduled_cached_reqs
-        for rid, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            row = batch.index_of[rid]
-            batch.states[row].num_computed_tokens = num_computed
+        if not cached.req_ids:
+            return
+        rows = np.fromiter((batch.index_of[rid] for rid in cached.req_ids), np.int64, len(cached.req_ids))
+        batch.num_computed[rows] = cached.num_computed_tokens
+        for row, block_ids in zip(rows.tolist(), cached.new_block_ids):
             for a, ids in enumerate(block_ids):
                 if ids:
                     batch.append_blocks(row, a, ids)
 
-    def _run_encoder(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
-        todo = {}
-        for rid, input_ids in so.scheduled_encoder_inputs.items():
-            state = batch.states[batch.index_of[rid]]
-            # an adapter of the vision tower encodes the request's media its own way (their
-            # hashes say so, the front end tagged them)
-            lora = state.lora_request if self.lora and state.lora_request and \
-                self.lora.touches_vision(state.lora_request) else None
-            for i in input_ids:
-                feature = state.mm_features[i]
-                todo.setdefault(feature.mm_hash, (feature, lora))
-        by_adapter: dict[LoRARequest | None, list[MultiModalFeature]] = {}
-        for feature, lora in todo.values():
-            by_adapter.setdefault(lora, []).append(feature)
-        for lora, features in by_adapter.items():
-            self._encode(features, lora)
-
-    def _encode(self, features: list[MultiModalFeature], lora: LoRARequest | None) -> None:
-        if self.lora:
-            self.lora.set_all(lora)
-        try:
-            outputs = [out for group in encoder_calls(features, ENCODER_CALL_TOKENS)
-                       for out in self.model.embed_multimodal(group)]
-        finally:
-            if self.lora:
-                self.lora.clear()
-        for feature, out in zip(features, outputs):
-            if out.shape[0] != feature.length:
-                raise RuntimeError(
-                    f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"
-                )
-            self.encoder_cache[feature.mm_hash] = out
-        if self.proposer:  # a draft model reads the same pictures with its own encoder
-            for group in encoder_calls(features, ENCODER_CALL_TOKENS):
-                self.proposer.encode(group)
-        self.encoder_runs += len(features)
-
     # -- sampling -------------------------------------------------------------------------
-    def _sample(self, step: StepInputs, read: SamplingPositions, read_hidden: torch.Tensor | None,
-                hidden: torch.Tensor, grammar: GrammarBitmask | None
-                ) -> tuple[list[list[int]], dict[str, list[LogprobsEntry]], dict[str, list[LogprobsEntry]]]:
-        """The tokens of each request of the step (none for a prompt chunk that ends inside
-        the prompt; one, or the kept drafts and one more, for the others), their logprobs,
-        and the prompt logprobs of the requests whose prompt is done. read_hidden: the
-        final hidden states at read.positions; hidden: every row's, when the forward gave
-        them all."""
-        sample_idx, verify_idx = read.sample_idx, read.verify_idx
-        prompt_logprobs = self._prompt_logprobs(step, hidden, sample_idx)
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: dict[str, list[LogprobsEntry]] = {}
+    def _sample(self, p: PreparedStep, read_hidden: torch.Tensor | None, hidden: torch.Tensor,
+                out: DeviceOutput) -> None:
+        """The tokens of the requests that sample (one each, kept on the device) and of those
+        that checked drafts (the kept drafts and one more), their logprobs, and the prompt
+        logprobs of the requests whose prompt is done. read_hidden: the final hidden states
+        at read.positions; hidden: every row's, when the forward gave them all."""
+        read = p.read
+        out.prompt_logprobs = gather_prompt_logprobs(self.model, p, hidden)
         logits = self.model.compute_logits(read_hidden) if read_hidden is not None else None
-        if sample_idx:
-            rows = [step.rows[i] for i in sample_idx]
-            sampling = build_sampling_batch(self.input_batch, rows, logits.shape[-1], grammar, self.eos_token_id,
-                                            self.generator)
-            tokens, entries = sample(logits[: len(sample_idx)], sampling)
-            for i, token, entry in zip(sample_idx, tokens, entries):
-                sampled[i] = [token]
+        if read.sample_idx:
+            tokens, entries = sample(logits[: len(read.sample_idx)], p.sampling)
+            out.sampled = tokens
+            for rid, entry in zip(p.sample_req_ids, entries):
                 if entry is not None:
-                    logprobs[step.req_ids[i]] = [entry]
-        if verify_idx:
-            self._verify_drafts(step, logits[len(sample_idx) :], verify_idx, sampled, logprobs)
-        return sampled, logprobs, prompt_logprobs
+                    out.logprobs[rid] = [entry]
+        if read.verify_idx:
+            self._verify_drafts(p, logits[len(read.sample_idx) :], out)
 
     def _sampling_positions(self, step: StepInputs) -> SamplingPositions:
         """Which requests sample (their last token does) and which check drafts (their last
         1 + drafts tokens do), with the positions of those tokens in the step."""
-        sample_idx, sample_pos, verify_idx, verify_pos = [], [], [], []
-        token_start = 0
-        for i, (row, c, q, d) in enumerate(zip(step.rows, step.num_computed, step.query_lens, step.num_drafts)):
-            if self.input_batch.states[row].pooling_params is not None:
-                pass  # an embedding request: pooled, never sampled
-            elif d:
-                verify_idx.append(i)
-                verify_pos.extend(range(token_start + q - 1 - d, token_start + q))
-            elif c + q >= self.input_batch.num_tokens[row]:
-                sample_idx.append(i)
-                sample_pos.append(token_start + q - 1)
-            token_start += q
-        return SamplingPositions(sample_idx, verify_idx, sample_pos + verify_pos)
+        batch, rows = self.input_batch, step.rows_array
+        query_lens, drafts = np.asarray(step.query_lens), np.asarray(step.num_drafts)
+        ends = np.cumsum(query_lens)
+        pooled = batch.pooling[rows]  # an embedding request: pooled, never sampled
+        samples = ~pooled & (drafts == 0) & (np.asarray(step.num_computed) + query_lens >= batch.num_tokens[rows])
+        sample_idx = np.flatnonzero(samples)
+        verify_idx = np.flatnonzero(~pooled & (drafts > 0)).tolist()
+        verify_pos = [p for i in verify_idx for p in range(ends[i] - 1 - drafts[i], ends[i])]
+        return SamplingPositions(sample_idx.tolist(), verify_idx, (ends[sample_idx] - 1).tolist() + verify_pos)
 
     def _output_rows(self, step: StepInputs, positions: list[int]) -> list[int] | None:
         """The rows of the step whose final hidden state is read, where the others can be
@@ -328,108 +330,77 @@ class ModelRunner:
         under an adapter (its token mapping covers every row); None: all rows."""
         if len(positions) == len(step.input_ids):
             return None
-        for row, c in zip(step.rows, step.num_computed):
-            state = self.input_batch.states[row]
-            if state.pooling_params is not None or state.lora_request is not None:
-                return None
-            if state.sampling_params.prompt_logprobs is not None and c < state.num_prompt_tokens - 1:
-                return None
+        batch, rows = self.input_batch, step.rows_array
+        reads_prompt = batch.prompt_logprobs[rows] & (np.asarray(step.num_computed) < batch.num_prompt[rows] - 1)
+        if (batch.pooling[rows] | reads_prompt).any():
+            return None
+        if self.lora and any(batch.states[row].lora_request is not None for row in step.rows):
+            return None
         return positions
 
-    def _pool(self, step: StepInputs, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Embedding requests: this step's hidden states of each one's prompt go into its
-        pooled vector (across prompt chunks); the vectors of those whose prompt is done."""
-        pooled: dict[str, torch.Tensor] = {}
-        token_start = 0
-        for rid, row, c, q in zip(step.req_ids, step.rows, step.num_computed, step.query_lens):
-            state = self.input_batch.states[row]
-            params = state.pooling_params
-            if params is not None:
-                rows = hidden[token_start : token_start + q].float()
-                if params.pooling_type == "MEAN":
-                    total = rows.sum(0)
-                    state.pooled_sum = total if state.pooled_sum is None else state.pooled_sum + total
-                elif params.pooling_type == "CLS" and c == 0:
-                    state.pooled_first = rows[0]
-                if c + q >= state.num_prompt_tokens and params.score_token_ids:
-                    pooled[rid] = self._relevance(hidden[token_start + q - 1], params).cpu()
-                elif c + q >= state.num_prompt_tokens:
-                    vector = {"MEAN": lambda: state.pooled_sum / state.num_prompt_tokens,
-                              "CLS": lambda: state.pooled_first, "LAST": lambda: rows[-1]}[params.pooling_type]()
-                    vector = vector[: params.dimensions]  # Matryoshka: the first dimensions
-                    if params.normalize:
-                        vector = torch.nn.functional.normalize(vector, dim=-1)
-                    pooled[rid] = vector.cpu()
-            token_start += q
-        return pooled
-
-    def _relevance(self, last_hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """A reranker's score, [1]: the "yes" logit minus the "no" logit at the prompt's last
-        token (vLLM's from_2_way_softmax), through a sigmoid if asked (= P(yes) of the two)."""
-        no, yes = self.model.compute_logits(last_hidden[None])[0, list(params.score_token_ids)].float()
-        score = (yes - no)[None]
-        return torch.sigmoid(score) if params.normalize else score
-
-    def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
-                         sample_idx: list[int]) -> dict[str, list[LogprobsEntry]]:
-        """Gathers the prompt logprobs of this step's prompt tokens (position p predicts
-        prompt token p + 1); hands them over for the requests whose prompt is done."""
-        batch = self.input_batch
-        token_start = 0
-        for row, c, q in zip(step.rows, step.num_computed, step.query_lens):
-            state = batch.states[row]
-            last = min(c + q, state.num_prompt_tokens - 1)
-            if state.sampling_params.prompt_logprobs is not None and last > c:
-                count = last - c
-                lp = torch.log_softmax(self.model.compute_logits(hidden[token_start : token_start + count]).float(),
-                                       dim=-1)
-                targets = batch.token_ids[row, c + 1 : c + 1 + count]
-                n = state.sampling_params.prompt_logprobs
-                state.prompt_logprobs.extend(logprobs_entry(lp[j], int(targets[j]), n) for j in range(count))
-            token_start += q
-        done = {}
-        for i in sample_idx:
-            state = batch.states[step.rows[i]]
-            if state.sampling_params.prompt_logprobs is not None and state.num_output_tokens == 0:
-                done[step.req_ids[i]] = state.prompt_logprobs
-        return done
-
-    def _verify_drafts(self, step: StepInputs, logits: torch.Tensor, verify_idx: list[int],
-                       sampled: list[list[int]], logprobs: dict[str, list[LogprobsEntry]]) -> None:
-        """The tokens of the requests that checked drafts (logits: 1 + drafts rows each);
-        recurrent layers are put back to their state after the last kept token."""
+    def _verify_inputs(self, step: StepInputs, verify_idx: list[int]) -> VerifyInputs:
         batch = self.input_batch
         rows = [step.rows[i] for i in verify_idx]
         drafts = [batch.token_ids[r, batch.num_tokens[r] : batch.num_tokens[r] + step.num_drafts[i]].tolist()
                   for r, i in zip(rows, verify_idx)]
         row_of_logits = [r for r, d in zip(rows, drafts) for _ in range(len(d) + 1)]
-        sampling = build_sampling_batch(batch, row_of_logits, logits.shape[-1], None, self.eos_token_id,
+        sampling = build_sampling_batch(batch, row_of_logits, self.vocab_size, None, self.eos_token_id,
                                         self.generator)
-        verified = verify(logits, drafts, sampling)
+        return VerifyInputs(drafts, sampling, [batch.states[r].state_slot for r in rows])
+
+    def _verify_drafts(self, p: PreparedStep, logits: torch.Tensor, out: DeviceOutput) -> None:
+        """The tokens of the requests that checked drafts (logits: 1 + drafts rows each);
+        recurrent layers are put back to their state after the last kept token."""
+        step, v = p.step, p.verify
+        verified = verify(logits, v.drafts, v.sampling)
         restores = []
-        for i, row, tokens, entries in zip(verify_idx, rows, verified.token_ids, verified.logprobs):
-            sampled[i] = tokens
+        for i, slot, tokens, entries in zip(p.read.verify_idx, v.state_slots, verified.token_ids, verified.logprobs):
+            out.verified[i] = tokens
             if entries:
-                logprobs[step.req_ids[i]] = entries
+                out.logprobs[step.req_ids[i]] = entries
             if step.checkpoints[i] and len(tokens) <= step.num_drafts[i]:  # a draft was refused
-                restores.append((step.checkpoints[i][len(tokens) - 1], batch.states[row].state_slot))
+                restores.append((step.checkpoints[i][len(tokens) - 1], slot))
         self.inputs.copy_states(restores, self.plan)
 
-    def _record(self, step: StepInputs, sampled: list[list[int]]) -> list[int]:
-        """Appends the new tokens to the batch; returns how many of each request's query
-        tokens are now in the cache (its query less the refused drafts)."""
+    def _record(self, p: PreparedStep, tokens: list[int], verified: dict[int, list[int]]) -> None:
+        """Appends the new tokens to the batch, each in its request's row wherever it is now
+        (gone if the request finished or was preempted since)."""
         batch = self.input_batch
-        kept = []
-        for i, (row, c, tokens) in enumerate(zip(step.rows, step.num_computed, sampled)):
-            state = batch.states[row]
-            kept.append(step.query_lens[i] - (step.num_drafts[i] + 1 - len(tokens) if tokens else 0))
-            state.num_computed_tokens = c + kept[-1]
-            for token in tokens:
+        if tokens:
+            rows = np.fromiter((batch.index_of.get(rid, -1) for rid in p.sample_req_ids), np.int64, len(tokens))
+            live = rows >= 0
+            batch.append_tokens(rows[live], np.asarray(tokens, dtype=np.int64)[live])
+        step = p.step
+        for i, accepted in verified.items():  # checked drafts (synchronous steps): the row is there
+            row = batch.index_of[step.req_ids[i]]
+            batch.num_computed[row] = step.num_computed[i] + step.query_lens[i] - (step.num_drafts[i] + 1 - len(accepted))
+            for token in accepted:
                 batch.append_token(row, token)
-            state.num_output_tokens += len(tokens)
-        return kept
+            batch.num_output[row] += len(accepted)
+
+    def _kept(self, step: StepInputs, sampled: list[list[int]]) -> list[int]:
+        """How many of each request's query tokens are now in the cache (its query less the
+        refused drafts)."""
+        return [q - (d + 1 - len(tokens) if tokens else 0)
+                for q, d, tokens in zip(step.query_lens, step.num_drafts, sampled)]
 
     def _proposes(self, step: StepInputs, i: int, tokens: list[int]) -> bool:
         """Whether the i-th request, which got `tokens` this step, gets drafts for the next."""
-        state = self.input_batch.states[step.rows[i]]
-        return bool(tokens) and step.propose_drafts and can_verify(state.sampling_params, state.num_output_tokens)
+        row = step.rows[i]
+        return bool(tokens) and step.propose_drafts and \
+            can_verify(self.input_batch.states[row].sampling_params, int(self.input_batch.num_output[row]))
+
+
+class PendingStep:
+    """A submitted step; `result()` waits for its device work (the time the host waits for
+    the device) and returns its output."""
+
+    def __init__(self, runner: ModelRunner, prepared: PreparedStep | None, future: Future | None) -> None:
+        self.runner, self.prepared, self.future = runner, prepared, future
+
+    def result(self) -> ModelRunnerOutput:
+        timer = self.runner.timer
+        with timer.phase("runner: wait for the device"):
+            out = self.future.result() if self.future is not None else None
+        with timer.phase("runner: outputs"):
+            return self.runner._result(self.prepared, out)

@@ -10,7 +10,7 @@ before they sort it whole."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,9 +51,15 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, bias)
     penalties: Penalties | None = None
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, int32 bitmask of allowed tokens)
+    # the rows that draw (temperature > 0), known on the host: sampling never reads the
+    # device back to find them (None: work it out from temperature)
+    random_rows: np.ndarray | None = None
+    random_index: torch.Tensor | None = None  # ... and on the device
 
     @property
     def all_greedy(self) -> bool:
+        if self.random_rows is not None:
+            return self.random_rows.size == 0
         return bool((self.temperature == 0).all())
 
     @property
@@ -61,21 +67,45 @@ class SamplingBatch:
         return any(rule is not None for rule in (self.grammar, self.banned, self.logit_bias, self.penalties))
 
 
-def build_sampling_batch(batch: InputBatch, rows: list[int], vocab: int, grammar: GrammarBitmask | None,
-                         eos_token_id: int | None, generator: torch.Generator) -> SamplingBatch:
+Upload = Callable[[str, np.ndarray], torch.Tensor]
+
+
+def build_sampling_batch(batch: InputBatch, rows: np.ndarray | list[int], vocab: int, grammar: GrammarBitmask | None,
+                         eos_token_id: int | None, generator: torch.Generator,
+                         upload: Upload | None = None) -> SamplingBatch:
     """The sampling settings of these batch rows as tensors over the rows (`generator`:
-    the engine's, for rows without a seed of their own)."""
+    the engine's, for rows without a seed of their own), read from the batch's columns;
+    only rows that do more than temperature, top-k, top-p and min_p are looked at one by
+    one. `upload` puts host arrays on the device (the runner's staging: no copy that waits
+    for the device)."""
+    dev = generator.device
+    upload = upload or (lambda name, array: torch.from_numpy(array).to(dev))
+    rows = np.asarray(rows, dtype=np.int64)
+    n = len(rows)
+    temperature = batch.temperature[rows]
+    sampling = SamplingBatch(
+        temperature=upload("temperature", temperature),
+        top_k=upload("top_k", batch.top_k[rows]),
+        top_p=upload("top_p", batch.top_p[rows]),
+        min_p=upload("min_p", batch.min_p[rows]),
+        generators=[generator] * n,
+        num_logprobs=[None] * n,
+    )
+    sampling.random_rows = np.flatnonzero(temperature > 0)
+    sampling.random_index = upload("random_rows", sampling.random_rows)
+    if batch.plain[rows].all() and grammar is None:
+        return sampling  # the common step: nothing per row
+    _add_special_rows(sampling, batch, rows.tolist(), vocab, grammar, eos_token_id, dev)
+    return sampling
+
+
+def _add_special_rows(sampling: SamplingBatch, batch: InputBatch, rows: list[int], vocab: int,
+                      grammar: GrammarBitmask | None, eos_token_id: int | None, dev: torch.device) -> None:
+    """Seeds, logprobs, banned tokens, logit bias, penalties and grammar masks."""
     states = [batch.states[r] for r in rows]
     params = [s.sampling_params for s in states]
-    dev = generator.device
-    sampling = SamplingBatch(
-        temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev),
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-        top_p=torch.tensor([p.top_p for p in params], device=dev),
-        min_p=torch.tensor([p.min_p for p in params], device=dev),
-        generators=[s.generator or generator for s in states],
-        num_logprobs=[p.logprobs for p in params],
-    )
+    sampling.generators = [s.generator or g for s, g in zip(states, sampling.generators)]
+    sampling.num_logprobs = [p.logprobs for p in params]
     mask_index = {rid: i for i, rid in enumerate(grammar.req_ids)} if grammar is not None else {}
     banned = [(i, t) for i, (row, s) in enumerate(zip(rows, states))
               for t in _banned_tokens(batch, row, s, eos_token_id,
@@ -93,7 +123,6 @@ def build_sampling_batch(batch: InputBatch, rows: list[int], vocab: int, grammar
     if pairs:
         sample_rows, mask_rows = zip(*pairs)
         sampling.grammar = (torch.tensor(sample_rows, device=dev), grammar.bitmask[list(mask_rows)].to(dev))
-    return sampling
 
 
 def _banned_tokens(batch: InputBatch, row: int, state: CachedRequestState, eos_token_id: int | None,
@@ -104,7 +133,7 @@ def _banned_tokens(batch: InputBatch, row: int, state: CachedRequestState, eos_t
     they are all the grammar admits (again the grammar wins)."""
     p = state.sampling_params
     banned = []
-    if state.num_output_tokens < p.min_tokens:
+    if batch.num_output[row] < p.min_tokens:
         stops = ([] if eos_token_id is None or p.ignore_eos else [eos_token_id]) + p.stop_token_ids
         if grammar_mask is None or _allows_other_than(grammar_mask, stops):
             banned += stops
@@ -144,7 +173,9 @@ def _penalties(batch: InputBatch, rows: list[int], params: list, vocab: int, dev
     )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[LogprobsEntry | None]]:
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, list[LogprobsEntry | None]]:
+    """A token per row, on the logits' device, and each row's logprobs entry where it asks
+    for one (these need the tokens on the host: the only read-back)."""
     wants_logprobs = any(n is not None for n in batch.num_logprobs)
     greedy = batch.all_greedy
     if wants_logprobs or batch.has_logit_rules or not greedy:
@@ -155,11 +186,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
     logits = apply_logit_rules(logits, batch)
     tokens = ops.argmax_rows(logits) if greedy else _sample_random(logits, batch)
 
+    if not wants_logprobs:
+        return tokens, [None] * len(batch.num_logprobs)
     token_list = tokens.tolist()
     entries: list[LogprobsEntry | None] = []
     for row, n in enumerate(batch.num_logprobs):
         entries.append(None if n is None else logprobs_entry(raw_logprobs[row], token_list[row], n))
-    return token_list, entries
+    return tokens, entries
 
 
 def apply_logit_rules(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -210,12 +243,17 @@ CANDIDATE_TIERS = (256, 4096)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy = batch.temperature == 0
-    tokens = ops.argmax_rows(logits) if bool(greedy.any()) else torch.empty(
+    if batch.random_rows is not None:  # known on the host
+        some_greedy, random = batch.random_rows.size < logits.shape[0], batch.random_rows.tolist()
+        rows = batch.random_index
+    else:
+        greedy = batch.temperature == 0
+        some_greedy, rows = bool(greedy.any()), (~greedy).nonzero().flatten()
+        random = rows.tolist()
+    tokens = ops.argmax_rows(logits) if some_greedy else torch.empty(
         logits.shape[0], dtype=torch.long, device=logits.device)
-    rows = (~greedy).nonzero().flatten()
-    if rows.numel():
-        uniform = uniforms([batch.generators[r] for r in rows.tolist()], logits.device)
+    if random:
+        uniform = uniforms([batch.generators[r] for r in random], logits.device)
         tokens[rows] = draw_tokens(_scaled(_rows_of(logits, rows), batch.temperature[rows]), batch.top_k[rows],
                                    batch.top_p[rows], batch.min_p[rows], uniform)
     return tokens

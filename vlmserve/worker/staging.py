@@ -3,6 +3,10 @@
 On CUDA each input goes through a pinned host buffer kept from step to step (grown when
 too small) and is copied without blocking the host; on the CPU the numpy array is the
 tensor (no copy at all). The runner uploads through one of these, whatever the device.
+
+A copy is queued on the stream, not made at once: with a step in flight (asynchronous
+scheduling) the next step's inputs must not overwrite a buffer whose copy may not have
+run yet, so each step writes to one of two sets of buffers in turn (`next_step`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ class Staging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._sets: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        self._buffers = self._sets[0]
+
+    def next_step(self) -> None:
+        """A new step's uploads: into the other set of buffers than the last step's."""
+        self._buffers = self._sets[1] if self._buffers is self._sets[0] else self._sets[0]
 
     def upload(self, name: str, array: np.ndarray) -> torch.Tensor:
         """The array on the device. `name` identifies the buffer reused for it next step."""

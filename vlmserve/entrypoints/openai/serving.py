@@ -25,7 +25,7 @@ from vlmserve.entrypoints.openai.serving_models import ServedModels
 from vlmserve.lora.request import LoRARequest
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.outputs import CompletionOutput, RequestOutput
-from vlmserve.sampling_params import ParamError
+from vlmserve.sampling_params import ParamError, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,12 @@ class ServingBase:
             raise OpenAIError(400, f"{max_tokens_field}={max_tokens} cannot be greater than max_model_len="
                               f"{self.engine.max_model_len}. Please request fewer output tokens.", param=max_tokens_field)
         try:
-            return req.sampling_params(max_tokens, logprobs, default_max, self.engine.sampling_defaults)
+            params = req.sampling_params(max_tokens, logprobs, default_max, self.engine.sampling_defaults)
         except ParamError as e:
             raise OpenAIError(400, str(e), param=e.param) from None
+        # a streamed answer takes every step's output; another only its last
+        params.output_kind = RequestOutputKind.CUMULATIVE if req.stream else RequestOutputKind.FINAL_ONLY
+        return params
 
     def truncation(self, req: SamplingRequest) -> int | None:
         """How many of the prompt's last tokens to keep (truncate_prompt_tokens), checked."""

@@ -1,0 +1,98 @@
+"""The vision encoder's side of the runner: which media a step encodes (read from the
+batch when the step is prepared), running the vision tower on them in calls of a bounded
+size (on the device, in order), and the encoder cache of their outputs by mm_hash, whose
+entries the scheduler tells the runner to drop."""
+
+from __future__ import annotations
+
+import torch
+
+from vlmserve.core.sched_output import SchedulerOutput
+from vlmserve.lora.request import LoRARequest
+from vlmserve.multimodal.inputs import MultiModalFeature
+from vlmserve.worker.input_batch import InputBatch
+from vlmserve.worker.lora_slots import LoRASlots
+from vlmserve.worker.proposer import Proposer
+
+# Embedding tokens of media one call of the vision tower takes (an item larger than this
+# alone): a step's encoder budget (8,192 by default) in one call held every block's
+# activations for up to 32k patches at once, 0.76 GB of temporaries at Qwen2.5-VL-3B's
+# widths that the process keeps (allocator.py); at 2,048 (8,192 patches) its
+# matmuls still take hundreds of rows a pass and run as fast.
+ENCODER_CALL_TOKENS = 2048
+
+EncoderWork = list[tuple[LoRARequest | None, list[MultiModalFeature]]]
+
+
+def encoder_calls(features: list[MultiModalFeature], limit: int) -> list[list[MultiModalFeature]]:
+    """The items in order, in groups of at most `limit` embedding tokens (an item larger
+    than that in a group of its own)."""
+    groups: list[list[MultiModalFeature]] = []
+    size = 0
+    for feature in features:
+        if not groups or size + feature.length > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(feature)
+        size += feature.length
+    return groups
+
+
+class EncoderRunner:
+    def __init__(self, model: torch.nn.Module, lora: LoRASlots | None, proposer: Proposer | None) -> None:
+        self.model = model
+        self.lora = lora
+        self.proposer = proposer  # a draft model reads the same pictures with its own encoder
+        self.cache: dict[str, torch.Tensor] = {}  # mm_hash -> the encoder's output
+        self.runs = 0  # media items encoded, for tests and stats
+
+    def plan(self, so: SchedulerOutput, batch: InputBatch) -> EncoderWork:
+        """The media the step encodes, once each, grouped by the adapter they are encoded
+        under (an adapter of the vision tower encodes a request's media its own way: their
+        hashes say so, the front end tagged them)."""
+        todo = {}
+        for rid, input_ids in so.scheduled_encoder_inputs.items():
+            state = batch.states[batch.index_of[rid]]
+            lora = state.lora_request if self.lora and state.lora_request and \
+                self.lora.touches_vision(state.lora_request) else None
+            for i in input_ids:
+                feature = state.mm_features[i]
+                todo.setdefault(feature.mm_hash, (feature, lora))
+        by_adapter: dict[LoRARequest | None, list[MultiModalFeature]] = {}
+        for feature, lora in todo.values():
+            by_adapter.setdefault(lora, []).append(feature)
+        return list(by_adapter.items())
+
+    def run(self, work: EncoderWork, freed: list[str]) -> None:
+        """Drops the outputs the scheduler let go, then encodes the step's media (device work)."""
+        for mm_hash in freed:
+            self.cache.pop(mm_hash, None)
+        if self.proposer:
+            self.proposer.free_encoder_outputs(freed)
+        for lora, features in work:
+            self._encode(features, lora)
+
+    def clear(self) -> None:
+        self.cache.clear()
+        if self.proposer:
+            self.proposer.clear_encoder_cache()
+
+    def _encode(self, features: list[MultiModalFeature], lora: LoRARequest | None) -> None:
+        if self.lora:
+            self.lora.set_all(lora)
+        try:
+            outputs = [out for group in encoder_calls(features, ENCODER_CALL_TOKENS)
+                       for out in self.model.embed_multimodal(group)]
+        finally:
+            if self.lora:
+                self.lora.clear()
+        for feature, out in zip(features, outputs):
+            if out.shape[0] != feature.length:
+                raise RuntimeError(
+                    f"encoder gave {out.shape[0]} embeddings for {feature.length} placeholders of {feature.mm_hash}"
+                )
+            self.cache[feature.mm_hash] = out
+        if self.proposer:
+            for group in encoder_calls(features, ENCODER_CALL_TOKENS):
+                self.proposer.encode(group)
+        self.runs += len(features)
