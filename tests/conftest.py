@@ -19,6 +19,10 @@ if TEST_DEVICE == "cpu":
 # loads it, and inherited by every process a test starts): the AVX2 kernel tests' child
 # run alone 22 s, two at once 270 s each spinning and 27 s each sleeping (an Ice Lake Xeon).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every engine the tests build (and the servers they start) keeps a step in flight: the mode
+# a GPU runs by default, here on a thread of its own; on these 2 cores an engine's default is
+# off (docs/architecture.md). test_async_scheduling.py compares the two modes.
+os.environ.setdefault("VLMSERVE_ASYNC_SCHEDULING", "1")
 
 import numpy as np
 import pytest

@@ -31,6 +31,10 @@ VARIABLES: dict[str, Callable[[], Any]] = {
     "VLMSERVE_CACHE": lambda: Path(os.environ.get("VLMSERVE_CACHE") or Path.home() / ".cache" / "vlmserve"),
     # the log level of the engine core's own process (--engine-process)
     "VLMSERVE_CORE_LOG_LEVEL": lambda: os.environ.get("VLMSERVE_CORE_LOG_LEVEL", "INFO").upper(),
+    # 1 or 0: the default of --async-scheduling (unset: on with a GPU, and on a CPU with a core
+    # to spare beside the forward's threads)
+    "VLMSERVE_ASYNC_SCHEDULING": lambda: None if os.environ.get("VLMSERVE_ASYNC_SCHEDULING", "").strip() == ""
+    else _flag("VLMSERVE_ASYNC_SCHEDULING")(),
     # huggingface_hub's own: no hub access, checkpoints from the local cache only
     "HF_HUB_OFFLINE": _flag("HF_HUB_OFFLINE"),
     # vLLM's name, so that a vLLM deployment's environment works: the default of

@@ -171,6 +171,12 @@ class Request:
             self.block_hashes.extend(hasher(self))  # a block filled up
 
     @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """The tokens that end it once min_tokens are out: EOS (unless ignored) and its stop ids."""
+        eos = () if self.eos_token_id is None or self.sampling_params.ignore_eos else (self.eos_token_id,)
+        return frozenset((*eos, *self.sampling_params.stop_token_ids))
+
+    @functools.cached_property
     def needs_its_last_token(self) -> bool:
         """Whether sampling its next token reads the tokens before it (penalties, a bad word
         of several tokens, min_tokens' bans, a grammar) or it runs under an adapter: its

@@ -502,15 +502,13 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
+        num_output = request.num_output_tokens
+        if token in request.stop_token_set and num_output >= params.min_tokens:
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token != request.eos_token_id or params.ignore_eos:
                 request.stop_reason = token
-                return True
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return True
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         if request.num_tokens >= self.config.max_model_len:

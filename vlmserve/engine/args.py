@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -98,8 +99,22 @@ class EngineArgs:
     engine_process: bool = False
     time_steps: bool = False  # accumulate wall seconds per phase of each step (LLMEngine.timer)
     # schedule and prepare the next step while the device computes the last one (one step in
-    # flight; on the CPU the forward runs on a thread of its own): the same tokens as without
-    async_scheduling: bool = True
+    # flight; on the CPU the forward runs on a thread of its own): the same tokens as without.
+    # Default: on with a GPU, and on a CPU with a core to spare beside the forward's threads
+    # (VLMSERVE_ASYNC_SCHEDULING=1 or 0 sets the default)
+    async_scheduling: bool | None = None
+
+    def overlaps_steps(self) -> bool:
+        """Whether steps are scheduled asynchronously (async_scheduling, or its default)."""
+        import torch
+
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        if envs.VLMSERVE_ASYNC_SCHEDULING is not None:
+            return envs.VLMSERVE_ASYNC_SCHEDULING
+        # on 2 cores the host's thread slows the forward's more than overlapping gains
+        # (docs/benchmarks.md, the host's share of a step)
+        return torch.device(self.device).type == "cuda" or (os.cpu_count() or 1) > torch.get_num_threads()
     # JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model":
     # "<folder or org/name>", "num_speculative_tokens": 3}; empty: no speculative decoding

@@ -213,7 +213,8 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     if speculative:
         logger.info("speculative decoding: %s", speculative)
     # the device work's thread (async scheduling on the CPU) builds the models it runs
-    queue = DeviceQueue(threaded=args.async_scheduling and torch.device(args.device).type == "cpu")
+    overlap = args.overlaps_steps()
+    queue = DeviceQueue(threaded=overlap and torch.device(args.device).type == "cpu")
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
     model, hf_config, draft_model = queue.call(lambda: _load_models(args, model_path, kernels, draft_path))
     dtype = next(model.parameters()).dtype
@@ -255,7 +256,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     structured = StructuredOutputManager(model_path, model.text_config.vocab_size, max_num_seqs)
     info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
                     time.perf_counter() - start, lora.targets if lora else None)
-    return EngineCore(scheduler, runner, structured, timer, args.async_scheduling), info
+    return EngineCore(scheduler, runner, structured, timer, overlap), info
 
 
 def _load_models(args: EngineArgs, model_path: str, kernels, draft_path: str | None

@@ -93,11 +93,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         shown = helps.get(f.name, "")
         if default is not None and "default" not in shown:
             shown = f"{shown} (default: %(default)s)".strip()
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
-            continue
         optional = typing.get_origin(kind) in (typing.Union, types_module.UnionType) and type(None) in typing.get_args(kind)
         base = next(a for a in typing.get_args(kind) if a is not type(None)) if optional else kind
+        if base is bool:  # --x / --no-x (an optional one left out: its default, worked out later)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
+            continue
         group.add_argument(flag, type=_PARSERS.get(base, base), default=default, help=shown)
 
 
