@@ -327,7 +327,8 @@ def steps(args: argparse.Namespace) -> list[Step]:
         Step("serve", "vlmserve serve --device cuda and the openai client, a picture, streamed", 120, True,
              python_step),
         Step("gdn", "chunked delta rule vs the recurrence at Qwen3.5 widths", 90, True, python_step),
-        Step("throughput", "published widths: vlmserve (graphs, eager) vs transformers, HBM roofline", 240, True,
+        Step("throughput", "published widths: vlmserve (graphs, async, sync, eager) vs transformers, HBM roofline",
+             300, True,
              lambda check, step, timeout: python_step(check, step, timeout,
                                                       [*throughput, "--budget", str(max(timeout - 25, 0))])),
         Step("triton_engine", "whole engines on the Triton kernels on CUDA vs transformers", 150, True,
@@ -408,8 +409,9 @@ def one_line(name: str, section: dict[str, Any]) -> str:
             if "vs_transformers" in f:
                 parts.append(f"{family}: x{f['vs_transformers']['one_user_decode']} one user, "
                              f"x{f['vs_transformers']['batch']} batch vs HF")
-            if "cuda_graphs" in f:
-                parts.append(f"graphs x{f['cuda_graphs']['decode_speedup']}")
+            for key, what in (("cuda_graphs", "graphs"), ("async_scheduling", "async")):
+                if key in f:
+                    parts.append(f"{what} x{f[key]['decode_speedup']}")
         note = "; ".join(parts)
     return f"{name:<16}{section['status']:<9}{section.get('duration_s', 0):>7.1f}s  {note}"[:200]
 
@@ -426,16 +428,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--only", default="", help="run only these steps (comma-separated names)")
     ap.add_argument("--skip", default="", help="skip these steps")
     ap.add_argument("--families", default="qwen2_5_vl_3b,qwen3_5", help="throughput: scale checkpoints")
-    ap.add_argument("--layers", type=int, default=8, help="throughput: layers kept of each (widths stay published)")
-    ap.add_argument("--batch-requests", type=int, default=16, help="throughput: requests of the batch workload")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="throughput: layers kept of each (0: the published depth; widths stay published)")
+    ap.add_argument("--batch-requests", default="16,64", help="throughput: the batch workloads' sizes")
     args = ap.parse_args(argv)
     names = {s.name for s in steps(args)}
     args.only = {s.strip() for s in args.only.split(",") if s.strip()}
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if unknown := (args.only | args.skip) - names:
         ap.error(f"unknown step(s) {sorted(unknown)}; steps: {', '.join(s.name for s in steps(args))}")
-    if args.budget <= 0 or args.layers < 1 or args.batch_requests < 1:
-        ap.error("--budget, --layers and --batch-requests must be positive")
+    sizes = args.batch_requests.split(",")
+    if args.budget <= 0 or args.layers < 0 or not all(s.strip().isdigit() and int(s) > 0 for s in sizes):
+        ap.error("--budget must be positive, --layers 0 or more, --batch-requests positive sizes")
     return args
 
 

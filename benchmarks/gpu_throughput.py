@@ -1,21 +1,25 @@
-"""Throughput at published widths on a GPU: vlmserve (CUDA graphs for decode, and
-eager), and transformers `generate`, on the same GPU, one engine at a time, on
-scale_checkpoints.py's checkpoints (published widths, depth cut by --layers, random
-weights drawn on the GPU):
+"""Throughput at published widths on a GPU: vlmserve (CUDA graphs for decode and
+asynchronous scheduling, its defaults; without asynchronous scheduling; eager), and
+transformers `generate`, on the same GPU, one engine at a time, on scale_checkpoints.py's
+checkpoints (published widths, full depth or cut by --layers, random weights drawn on the
+GPU):
 
 - one user: one chat about a 1-megapixel picture, 256 answer tokens (after a warm-up run
   of the same); decode tokens/s and its share of the HBM roofline: the weights a decode
   step reads (common.checkpoint_costs) times the steps a second, over the bandwidth of a
   large device-to-device copy (bytes read plus written) measured first;
-- a batch: --batch-requests chats about pictures of 336-1024 px, 32-256 answer tokens,
-  all at once (transformers: one generate call over the whole batch);
-- CUDA graphs: the tokens of vlmserve with graphs and eager must be the same, and the
-  decode speed-up is printed;
-- where vlmserve's one-user steps spend their time on the host (milliseconds a step per
-  phase of the engine's step: scheduling, inputs, forward, sampling, output processing).
+- batches: for each of --batch-requests, that many chats about pictures of 336-1024 px,
+  32-256 answer tokens, all at once (every engine is sized to run the largest whole;
+  transformers: one generate call over the batch), and each batch's tokens/s against one
+  user's decode;
+- CUDA graphs and asynchronous scheduling: the one user's tokens the same with and
+  without each, and their speed-ups;
+- where vlmserve's one-user steps spend their time (milliseconds a step per phase: the
+  host's scheduling, inputs, sampling, update and output processing, its wait for the
+  GPU) and the host's milliseconds a step in all.
 
-    python benchmarks/gpu_throughput.py OUT.json [--families qwen2_5_vl_3b,qwen3_5] [--layers 8]
-        [--batch-requests 16] [--budget 300]
+    python benchmarks/gpu_throughput.py OUT.json [--families qwen2_5_vl_3b,qwen3_5] [--layers 0]
+        [--batch-requests 16,64] [--budget 300]
 
 Run by benchmarks/gpu_check.py (its throughput step); OUT.json is rewritten after each
 engine, so a run cut short still leaves its numbers.
@@ -71,10 +75,12 @@ def one_user_figures(run: dict[str, Any], step_bytes: float, copy_gbs: float) ->
     if run.get("steps"):
         figures["phase_ms_per_step"] = {name: round(1e3 * seconds / run["steps"], 3)
                                         for name, seconds in sorted(run["phases"].items(), key=lambda x: -x[1])}
+        if "host_seconds" in run:
+            figures["host_ms_per_step"] = round(1e3 * run["host_seconds"] / run["steps"], 3)
     return figures
 
 
-def run_engine(name: str, command: list[str], folder: Path, batch_workload: Path, step_bytes: float,
+def run_engine(name: str, command: list[str], folder: Path, batches: dict[int, Path], step_bytes: float,
                copy_gbs: float) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "8"}
     worker = Worker(name, command, env, folder / f"{name.replace(' ', '-')}.log")
@@ -82,21 +88,31 @@ def run_engine(name: str, command: list[str], folder: Path, batch_workload: Path
         ready = worker.receive()
         worker.run(sequential=True)  # warm-up: compiles, captures, the allocator's first growth
         one = worker.run(sequential=True)
-        batch = worker.run(workload=str(batch_workload))
+        runs = {size: worker.run(workload=str(workload)) for size, workload in batches.items()}
     except Exception as e:  # noqa: BLE001 - the engine's failure is a finding
         return {"error": f"{type(e).__name__}: {e}", "log_tail": worker.stderr_tail(4000)}
     finally:
         worker.stop()
-    return {"start_s": round(ready["start_seconds"], 2), "one_user": one_user_figures(one, step_bytes, copy_gbs),
-            "batch": {"seconds": round(batch["seconds"], 3), "tokens": batch["tokens"],
-                      "tok_s": round(batch["tokens"] / batch["seconds"], 1), "first_tokens": batch["first_tokens"]}}
+    one_user = one_user_figures(one, step_bytes, copy_gbs)
+    return {"start_s": round(ready["start_seconds"], 2), "one_user": one_user,
+            "batches": {size: batch_figures(run, one_user) for size, run in runs.items()}}
+
+
+def batch_figures(run: dict[str, Any], one_user: dict[str, Any]) -> dict[str, Any]:
+    """A batch's tokens/s, and against one user's decode (a batch that ran whole costs about
+    a step of one a step: with 16 requests, many times one user's tokens/s)."""
+    tok_s = run["tokens"] / run["seconds"]
+    return {"seconds": round(run["seconds"], 3), "tokens": run["tokens"], "tok_s": round(tok_s, 1),
+            "x_one_user": one_user["decode_tok_s"] and round(tok_s / one_user["decode_tok_s"], 2),
+            "first_tokens": run["first_tokens"]}
 
 
 def run_family(family: str, args: argparse.Namespace, limits: dict[str, float], report: dict[str, Any],
                save) -> dict[str, Any]:
     t = time.perf_counter()
-    model = str(build_scale_checkpoint(family, args.layers, device="cuda"))
-    out: dict[str, Any] = {"checkpoint": model, "layers": args.layers, "build_s": round(time.perf_counter() - t, 1)}
+    model = str(build_scale_checkpoint(family, args.layers or None, device="cuda"))
+    out: dict[str, Any] = {"checkpoint": model, "layers": args.layers or "published",
+                           "build_s": round(time.perf_counter() - t, 1)}
     report[family] = out
     costs = checkpoint_costs(model)
     step_bytes = costs["decode_bytes"]
@@ -104,23 +120,29 @@ def run_family(family: str, args: argparse.Namespace, limits: dict[str, float], 
     out["roofline_tok_s"] = round(limits["copy_gbs"] * 1e9 / step_bytes, 1)
     folder = Path(tempfile.mkdtemp(prefix=f"gpu-throughput-{family}-"))
     (folder / "one").mkdir()
-    (folder / "batch").mkdir()
     one_spec, _ = write_workload(folder / "one", model, "one-user", 1)
-    batch_spec, _ = write_workload(folder / "batch", model, "batch", args.batch_requests)
-    longest = max(r["prompt_tokens"] + r["max_tokens"] for r in one_spec + batch_spec)
+    sizes = [int(n) for n in str(args.batch_requests).split(",")]
+    batches, specs = {}, list(one_spec)
+    for size in sizes:
+        (folder / f"batch{size}").mkdir()
+        specs += write_workload(folder / f"batch{size}", model, "batch", size)[0]
+        batches[size] = folder / f"batch{size}" / "workload.json"
+    longest = max(r["prompt_tokens"] + r["max_tokens"] for r in specs)
     common = ["--workload", str(folder / "one" / "workload.json"), "--model", model, "--dtype", "bfloat16",
               "--device", "cuda", "--max-model-len", str(max(4096, 1024 * -(-longest // 1024))),
               "--max-images", "2", "--threads", "8"]
-    # --profile: wall time per phase of the steps (on the host: the GPU's work lands in the
-    # first phase that waits for it, sampling's copy of the tokens back)
-    vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--profile"]
-    engines = {"vlmserve": vlmserve, "vlmserve eager": [*vlmserve, "--enforce-eager"],
+    # --profile: wall time per phase of the steps; sized for the largest batch (sized for the
+    # one-user workload the engine ran a batch one request at a time: the first GPU run's
+    # batch of 16 at 1.1x one user)
+    vlmserve = [sys.executable, str(WORKERS / "vlmserve_worker.py"), *common, "--profile",
+                "--max-num-seqs", str(max(sizes))]
+    engines = {"vlmserve": vlmserve, "vlmserve sync": [*vlmserve, "--async-scheduling", "off"],
+               "vlmserve eager": [*vlmserve, "--enforce-eager"],
                "transformers": [sys.executable, str(WORKERS / "transformers_worker.py"), *common,
-                                "--batch", str(args.batch_requests)]}
+                                "--batch", str(max(sizes))]}
     out["engines"] = {}
     for name, command in engines.items():
-        out["engines"][name] = run_engine(name, command, folder, folder / "batch" / "workload.json", step_bytes,
-                                          limits["copy_gbs"])
+        out["engines"][name] = run_engine(name, command, folder, batches, step_bytes, limits["copy_gbs"])
         save()
     out.update(compare(out["engines"]))
     return out
@@ -135,21 +157,32 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     are the same with graphs as without."""
     out: dict[str, Any] = {}
     fine = [n for n, r in results.items() if "error" not in r]
-    if {"vlmserve", "vlmserve eager"} <= set(fine):
-        graphs, eager = results["vlmserve"], results["vlmserve eager"]
-        out["cuda_graphs"] = {
-            "same_tokens": graphs["one_user"]["first_tokens"] == eager["one_user"]["first_tokens"],
-            "batch_agreement": agreement(graphs["batch"]["first_tokens"], eager["batch"]["first_tokens"], 8),
-            "decode_speedup": round(graphs["one_user"]["decode_tok_s"] / eager["one_user"]["decode_tok_s"], 2),
-            "batch_speedup": round(graphs["batch"]["tok_s"] / eager["batch"]["tok_s"], 2)}
+    for other, key in (("vlmserve eager", "cuda_graphs"), ("vlmserve sync", "async_scheduling")):
+        if {"vlmserve", other} <= set(fine):
+            out[key] = speedups(results["vlmserve"], results[other])
     if {"vlmserve", "transformers"} <= set(fine):
         ours, theirs = results["vlmserve"], results["transformers"]
+        largest = max(ours["batches"])
         out["vs_transformers"] = {
             "one_user_decode": round(ours["one_user"]["decode_tok_s"] / theirs["one_user"]["decode_tok_s"], 2),
-            "batch": round(ours["batch"]["tok_s"] / theirs["batch"]["tok_s"], 2),
-            "first_token_agreement": agreement(ours["batch"]["first_tokens"], theirs["batch"]["first_tokens"], 1)}
-    out["ok"] = len(fine) == len(results) and out.get("cuda_graphs", {}).get("same_tokens", False)
+            "batch": round(ours["batches"][largest]["tok_s"] / theirs["batches"][largest]["tok_s"], 2),
+            "first_token_agreement": agreement(ours["batches"][largest]["first_tokens"],
+                                               theirs["batches"][largest]["first_tokens"], 1)}
+    out["ok"] = len(fine) == len(results) and all(out.get(k, {}).get("same_tokens", False)
+                                                  for k in ("cuda_graphs", "async_scheduling"))
     return out
+
+
+def speedups(ours: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """vlmserve's defaults against a run without one of them: the one user's tokens the same,
+    in batches the share of requests whose first 8 agree (padded to a captured size, bf16
+    matmuls of another height may round differently), and the speed-ups."""
+    largest = max(ours["batches"])
+    return {"same_tokens": ours["one_user"]["first_tokens"] == other["one_user"]["first_tokens"],
+            "batch_agreement": agreement(ours["batches"][largest]["first_tokens"],
+                                         other["batches"][largest]["first_tokens"], 8),
+            "decode_speedup": round(ours["one_user"]["decode_tok_s"] / other["one_user"]["decode_tok_s"], 2),
+            "batch_speedup": round(ours["batches"][largest]["tok_s"] / other["batches"][largest]["tok_s"], 2)}
 
 
 def agreement(a: list[list[int]], b: list[list[int]], n: int) -> float:
@@ -185,8 +218,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--families", default="qwen2_5_vl_3b,qwen3_5")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch-requests", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=0, help="text and vision layers kept (0: the published depth)")
+    ap.add_argument("--batch-requests", default="16,64", help="the batches' sizes")
     ap.add_argument("--budget", type=float, default=300.0)
     args = ap.parse_args()
     ok, report = measure(args)

@@ -100,25 +100,54 @@ def test_the_wheel_list_pins_transformers_as_pyproject_does():
 
 def test_the_throughput_comparison():
     """gpu_throughput.compare on an engine's figures as run_engine gives them: the graphs'
-    speed-up and tokens against eager, the ratios against transformers; a failed engine
-    fails the family."""
+    and asynchronous scheduling's speed-ups and tokens against the runs without them, the
+    ratios against transformers at the largest batch; a failed engine fails the family."""
     import gpu_throughput
 
     def engine(decode: float, batch: float, one: list[int], firsts: list[list[int]]) -> dict:
         return {"one_user": {"decode_tok_s": decode, "first_tokens": [one]},
-                "batch": {"tok_s": batch, "first_tokens": firsts}}
+                "batches": {16: {"tok_s": batch / 2, "first_tokens": firsts},
+                            64: {"tok_s": batch, "first_tokens": firsts}}}
 
     firsts = [[1, 2, 3], [4, 5, 6]]
     results = {"vlmserve": engine(300.0, 3000.0, [7, 8], firsts),
+               "vlmserve sync": engine(150.0, 1500.0, [7, 8], firsts),
                "vlmserve eager": engine(100.0, 2000.0, [7, 8], [[1, 2, 3], [4, 5, 0]]),
                "transformers": engine(50.0, 1000.0, [7, 9], [[1, 9], [0, 5]])}
     got = gpu_throughput.compare(results)
     assert got["cuda_graphs"] == {"same_tokens": True, "batch_agreement": 0.5, "decode_speedup": 3.0,
                                   "batch_speedup": 1.5}
+    assert got["async_scheduling"] == {"same_tokens": True, "batch_agreement": 1.0, "decode_speedup": 2.0,
+                                       "batch_speedup": 2.0}
     assert got["vs_transformers"] == {"one_user_decode": 6.0, "batch": 3.0, "first_token_agreement": 0.5}
     assert got["ok"] is True
+    results["vlmserve sync"]["one_user"]["first_tokens"] = [[7, 9]]
+    assert gpu_throughput.compare(results)["ok"] is False
     results["transformers"] = {"error": "WorkerDied: transformers"}
     assert gpu_throughput.compare(results)["ok"] is False
+
+
+def test_a_batch_runs_whole_in_the_throughput_workers_engine(qwen25_path, tmp_path):
+    """The first GPU run's batch of 16 ran at 1.1x one user: the worker's engine was sized
+    for its default workload (one request), so the batch ran one request at a time. Sized
+    for the largest batch (gpu_throughput passes --max-num-seqs), a batch of 4 runs in about
+    the steps of its longest request, not in the sum of theirs."""
+    from bench_peers import WORKERS, Worker, write_workload
+
+    for name, n in (("one", 1), ("batch", 4)):
+        (tmp_path / name).mkdir()
+        write_workload(tmp_path / name, qwen25_path, "one-user" if n == 1 else "batch", n, max_tokens=12)
+    command = [sys.executable, str(WORKERS / "vlmserve_worker.py"), "--workload", str(tmp_path / "one" / "workload.json"),
+               "--model", qwen25_path, "--dtype", "float32", "--profile", "--max-num-seqs", "4"]
+    worker = Worker("vlmserve", command, {**os.environ, "OMP_NUM_THREADS": "2"}, tmp_path / "worker.log")
+    try:
+        worker.receive()
+        run = worker.run(workload=str(tmp_path / "batch" / "workload.json"))
+    finally:
+        worker.stop()
+    tokens = [r["max_tokens"] for r in json.loads((tmp_path / "batch" / "workload.json").read_text())["requests"]]
+    assert run["tokens"] == sum(tokens) and run["steps"] < max(tokens) + 8 < sum(tokens), (run["steps"], tokens)
+    assert 0 < run["host_seconds"] < sum(run["phases"].values())
 
 
 def test_the_one_user_figures():
