@@ -20,10 +20,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
+from vlmserve import envs
 from vlmserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # then ran on one thread at half speed (measured). exp is the kernels' own (vec_math.h).
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
          "-freciprocal-math", "-ffp-contract=fast", "-fopenmp"]
-DISABLE_ENV = "VLMSERVE_NO_CPU_KERNELS"  # set to 1: pure torch everywhere (for comparisons)
 ISA_ENV = "VLMSERVE_CPU_ISA"  # "native" (the default), "avx2" or "avx512"
 # each older target: the -march every CPU of its kind has (x86-64-v3: AVX2, FMA, F16C, BMI;
 # x86-64-v4: AVX-512 F, BW, CD, DQ, VL), and the AVX-512 flags it keeps (AMX's never)
@@ -59,12 +58,11 @@ def _machine_flags() -> list[str]:
 @functools.cache
 def target_isa() -> str:
     """The instruction set the kernels are built for: "native" (this CPU's), "avx2" or "avx512"."""
-    isa = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    isa = envs.VLMSERVE_CPU_ISA
     if isa == "native":
         return isa
     if isa not in OLDER_TARGETS:
-        raise ConfigError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: use 'native' (this CPU's instructions), 'avx2' or "
-                         "'avx512'")
+        raise ConfigError(f"{ISA_ENV}={isa!r}: use 'native' (this CPU's instructions), 'avx2' or 'avx512'")
     missing = {"avx2", "fma", *OLDER_TARGETS[isa][1]} - set(_machine_flags())
     if missing:  # built so, the kernels would stop the process at their first instruction
         raise ConfigError(f"{ISA_ENV}={isa}: this CPU has no {', '.join(sorted(missing))}")
@@ -126,8 +124,7 @@ def has_amx() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("VLMSERVE_CACHE") or Path.home() / ".cache" / "vlmserve"
-    return Path(root) / "kernels"
+    return envs.VLMSERVE_CACHE / "kernels"
 
 
 def available() -> bool:
@@ -146,7 +143,7 @@ def cpu_kernels() -> ModuleType:
 @functools.cache
 def _load() -> ModuleType | None:
     """Builds (or finds) and imports the kernels' module; None where they cannot be built."""
-    if os.environ.get(DISABLE_ENV) == "1":
+    if envs.VLMSERVE_NO_CPU_KERNELS:
         return None
     load = _quiet_import_of_load()
     name = build_name(CSRC)

@@ -151,3 +151,21 @@ def test_no_cpp_function_over_80_lines():
 def test_no_cpp_file_over_400_lines():
     long = {p.name: line_count(p) for p in cpp_files() if line_count(p) > MAX_CPP_FILE}
     assert not long, f"files over {MAX_CPP_FILE} lines: {long}"
+
+
+def test_the_environment_is_read_in_one_module_and_every_variable_is_documented():
+    """vlmserve/envs.py is the one module of the library that touches os.environ or getenv
+    (read when used, never at import); every variable it reads is in docs/environment.md."""
+    readers = []
+    for path in python_files():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            touches = (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
+                       and isinstance(node.value, ast.Name) and node.value.id == "os")
+            if touches and path != ROOT / "vlmserve" / "envs.py":
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not readers, f"environment read outside vlmserve/envs.py: {readers}"
+    import vlmserve.envs as envs
+
+    documented = (ROOT / "docs" / "environment.md").read_text()
+    assert [name for name in envs.VARIABLES if f"`{name}`" not in documented] == []

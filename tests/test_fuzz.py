@@ -20,15 +20,17 @@ from vlmserve.multimodal.processor import MultiModalProcessor
 
 
 @pytest.fixture(scope="module", params=["plain", "ngram", "draft_model"])
-def fuzzed_server(qwen25_path, request):
+def fuzzed_server(qwen25_path, request, tmp_path_factory):
     """Also with speculative decoding on (n-gram drafts; a draft model): every sampling
-    option the schema allows goes through the drafting and verification paths."""
-    speculative = {"plain": [],
-                   "ngram": ["--speculative-config", json.dumps({"method": "ngram", "prompt_lookup_min": 1})],
-                   "draft_model": ["--speculative-config", json.dumps({"model": qwen25_path})]}[request.param]
+    option the schema allows goes through the drafting and verification paths. The plain
+    one loads adapters at run time: their routes are fuzzed too."""
+    adapters = str(tmp_path_factory.mktemp("fuzzed-adapters"))
+    extra = {"plain": ["--allow-runtime-lora-updating", "--allowed-lora-path", adapters],
+             "ngram": ["--speculative-config", json.dumps({"method": "ngram", "prompt_lookup_min": 1})],
+             "draft_model": ["--speculative-config", json.dumps({"model": qwen25_path})]}[request.param]
     # short answers whatever the fuzzer asks for, so the examples stay quick
-    s = Server(qwen25_path, "--num-kv-blocks", "256", "--max-model-len", "256", "--max-n", "2", *speculative)
-    s.speculative = bool(speculative)
+    s = Server(qwen25_path, "--num-kv-blocks", "256", "--max-model-len", "256", "--max-n", "2", *extra)
+    s.speculative = request.param != "plain"
     yield s
     s.stop()
 
