@@ -88,7 +88,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step produced for one request."""
 

@@ -45,6 +45,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.num_preemptions = 0
         self.num_needing_last_token = 0  # requests held whose next token reads their last
+        self.drafts_seen = False  # a proposer has given drafts (speculative decoding)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -426,6 +427,9 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         self.kv_cache_manager.commit_step()
+        # drafts to settle: once any have come, every step (a request's old ones are replaced)
+        self.drafts_seen = self.drafts_seen or bool(runner_output.draft_token_ids)
+        drafting = self.drafts_seen
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
@@ -433,7 +437,8 @@ class Scheduler:
             if rid in scheduler_output.sampling_req_ids and request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             try:
-                self._settle_drafts(request, scheduler_output, runner_output)
+                if drafting:
+                    self._settle_drafts(request, scheduler_output, runner_output)
                 output = self._update_request(request, runner_output)
             except Exception as e:  # a bug in one request's bookkeeping fails that request only
                 logger.exception("request %s failed while its step was recorded", rid)
