@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmserve.distributed import SINGLE, TensorParallel
 from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
@@ -63,6 +64,8 @@ class MRoPEDecoder(nn.Module):
         """The layers as ops.decode_layers runs them on this device (None: op by op), made
         at the first step (the weights loaded, quantized and packed), again once a layer
         gets LoRA slots."""
+        if self.embed_tokens.vocab_part is not None:
+            return None  # split across ranks: the layers' sums over the ranks run op by op
         planner, generation = ops.plan_decode_layers, Linear.lora_generation
         if self._decode_plan is None or self._decode_plan[:2] != (planner, generation):
             self._decode_plan = (planner, generation, planner([layer.decode_weights() for layer in self.layers]))
@@ -80,6 +83,7 @@ class VisionLanguageModel(nn.Module):
     bidirectional_media = False  # a picture's tokens attend to each other both ways (Gemma 3)
     # checkpoint name fragment -> (fused module fragment, shard index), beyond q/k/v and gate/up
     extra_fused: dict[str, tuple[str, int]] = {}
+    tp: TensorParallel = SINGLE  # the ranks its language model is split across (models/tensor_parallel.py)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -122,10 +126,19 @@ class VisionLanguageModel(nn.Module):
             self.lm_head.weight = embed
         return self.lm_head
 
+    def kv_heads_per_rank(self) -> int:
+        """Key/value heads each rank's attention layers hold (all of them on one rank)."""
+        heads = self.text_config.num_key_value_heads
+        return heads // self.tp.size if heads % self.tp.size == 0 else 1
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden)  # its own Linear: packed or quantized as loaded
-        return ops.linear(hidden, self.model.language_model.embed_tokens.weight, None)
+            logits = self.lm_head(hidden)  # its own Linear: packed or quantized as loaded
+        else:
+            logits = ops.linear(hidden, self.model.language_model.embed_tokens.weight, None)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits)[..., : self.text_config.vocab_size]  # each rank's share of the vocabulary
 
     def lora_layers(self) -> dict[str, tuple[Linear, int]]:
         """What a LoRA adapter can adapt, by checkpoint name: every linear layer of the

@@ -218,7 +218,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         cfg = self.text_config
-        common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim, dtype=dtype)
+        common = dict(block_size=block_size, num_kv_heads=self.kv_heads_per_rank(), head_size=cfg.head_dim, dtype=dtype)
         return {i: SlidingWindowSpec(**common, sliding_window=cfg.sliding_window) if kind == "sliding_attention"
                 else FullAttentionSpec(**common) for i, kind in enumerate(cfg.layer_types)}
 

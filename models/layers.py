@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.distributed import TensorParallel
 from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import AttentionWeights, DecoderLayerWeights, Projection
 from vlmserve.kernels.quantized_linear import QuantizedWeight, concat_rows, dequantize, quantizable, quantize
 from vlmserve.models.lora import LinearLoRA, LoRABatch
+from vlmserve.models.tensor_parallel import VocabPart, split_input, split_output, split_vocab
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -65,16 +67,28 @@ def freed(weight: nn.Parameter) -> nn.Parameter:
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose table may be an output head's weight (tied embeddings): where the
-    head's packed copy takes the table's place (`read_packed`), rows are read from it."""
+    head's packed copy takes the table's place (`read_packed`), rows are read from it. Split
+    across ranks, each holds a share of the vocabulary: a token's row comes from the rank
+    that has it (the others give zeros), summed."""
 
     packed_weight: torch.Tensor | None = None
+    vocab_part: VocabPart | None = None
 
     def read_packed(self, packed: torch.Tensor) -> None:
         self.packed_weight = packed
         self.weight = freed(self.weight)
 
+    def split_for_ranks(self, tp: TensorParallel, expert_parallel: bool) -> None:
+        self.vocab_part = split_vocab(self, tp)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return ops.weight_rows(input_ids, self.weight, self.packed_weight)
+        part = self.vocab_part
+        if part is None:
+            return ops.weight_rows(input_ids, self.weight, self.packed_weight)
+        local = input_ids - part.start
+        elsewhere = (local < 0) | (local >= part.rows)
+        rows = ops.weight_rows(local.masked_fill(elsewhere, 0), self.weight, self.packed_weight)
+        return part.tp.all_reduce(rows.masked_fill(elsewhere[:, None], 0))
 
 
 class Linear(nn.Linear):
@@ -87,6 +101,7 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     quantized_parts: dict[int, QuantizedWeight] | None = None  # a fused layer's shards, while loading
     lora: LinearLoRA | None = None
+    sum_over: TensorParallel | None = None  # row-parallel: the ranks' outputs are summed
     # counts the layers given LoRA slots in this process: a plan made of the weights before
     # (MRoPEDecoder.decode_plan) is made again
     lora_generation: ClassVar[int] = 0
@@ -162,7 +177,7 @@ class Linear(nn.Linear):
     def decode_projection(self) -> Projection | None:
         """Its weight (quantized, if it is), bias and packed copy, for ops.decode_layers; None
         with LoRA slots (their products are added here)."""
-        if self.lora is not None:
+        if self.lora is not None or self.sum_over is not None:
             return None
         return Projection(self.weight if self.quantized is None else self.quantized, self.bias, self.packed_weight)
 
@@ -171,7 +186,9 @@ class Linear(nn.Linear):
             out = ops.quantized_linear(x, self.quantized, self.bias)
         else:
             out = ops.linear(x, self.weight, self.bias, self.packed_weight)
-        return out if self.lora is None else self.lora.add_to(out, x)
+        if self.lora is not None:
+            out = self.lora.add_to(out, x)
+        return out if self.sum_over is None else self.sum_over.all_reduce(out)
 
 
 class FusedLinear(Linear):
@@ -204,6 +221,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+
+    def split_for_ranks(self, tp: TensorParallel, expert_parallel: bool) -> None:
+        """The rank's share of the intermediate width."""
+        split_output(self.gate_up_proj, tp, [((self.intermediate, 1),)] * 2)
+        split_input(self.down_proj, tp, self.intermediate, 1)
+        self.intermediate = self.down_proj.in_features
 
     def decode_weights(self) -> tuple[Projection, Projection] | None:
         """(gate_up, down) for ops.decode_layers, which runs silu only."""
@@ -322,6 +345,17 @@ class PagedAttention(nn.Module):
         q_out = 2 * self.q_size if query_gate else self.q_size
         self.qkv_proj = FusedLinear(hidden, [q_out, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+
+    def split_for_ranks(self, tp: TensorParallel, expert_parallel: bool) -> None:
+        """The rank's query heads and the key/value heads they read (replicated where there
+        are fewer than ranks)."""
+        q_unit = self.qkv_proj.shard_sizes[0] // self.num_heads  # a head's query (and gate)
+        kv = ((self.num_kv_heads, self.head_dim),)
+        split_output(self.qkv_proj, tp, [((self.num_heads, q_unit),), kv, kv])
+        split_input(self.o_proj, tp, self.num_heads, self.head_dim)
+        self.num_heads = self.o_proj.in_features // self.head_dim
+        self.num_kv_heads = self.qkv_proj.shard_sizes[1] // self.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
         n = h.shape[0]

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmserve.distributed import TensorParallel
 from vlmserve.kernels import ops
 from vlmserve.models.layers import ACTIVATIONS, GatedMLP, Linear
+from vlmserve.models.tensor_parallel import RankPart, set_part, units_of_rank
 from vlmserve.models.weights import WeightLoader
 
 
@@ -35,12 +37,40 @@ def feed_forward(cfg, layer_id: int) -> nn.Module:
 
 
 class Experts(nn.Module):
+    """Split across ranks, each rank holds a share of every expert's intermediate width
+    (tensor parallel), or with expert parallelism whole experts, a share of them; either
+    way the ranks' outputs are summed."""
+
+    sum_over: TensorParallel | None = None
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.hidden, self.intermediate = hidden, intermediate  # the checkpoint's (whole) sizes
+        self.first_expert, self.local_experts = 0, num_experts  # the experts this rank holds
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.act = ACTIVATIONS[act]
+
+    def split_for_ranks(self, tp: TensorParallel, expert_parallel: bool) -> None:
+        n, width = self.num_experts, self.intermediate
+        if expert_parallel:
+            self.first_expert, self.local_experts = units_of_rank(n, tp, "experts")
+            experts = RankPart(0, ((n, 1),), tp)
+            set_part(self, "gate_up_proj", experts, (self.local_experts, 2 * width, self.hidden))
+            set_part(self, "down_proj", experts, (self.local_experts, self.hidden, width))
+        else:
+            gate_up = RankPart(1, ((width, 1), (width, 1)), tp)
+            set_part(self, "gate_up_proj", gate_up, (n, gate_up.length(), self.hidden))
+            set_part(self, "down_proj", RankPart(2, ((width, 1),), tp), (n, self.hidden, gate_up.length() // 2))
+        self.sum_over = tp
+
+    def piece_part(self, part: str) -> RankPart | None:
+        """The rank's part of one expert's gate_proj/up_proj ([width, hidden]) or down_proj
+        ([hidden, width]) in a checkpoint that stores them one by one (None: all of it)."""
+        if self.sum_over is None or self.local_experts < self.num_experts:
+            return None
+        return RankPart(0 if part != "down_proj" else 1, ((self.intermediate, 1),), self.sum_over)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden]; experts, weights [tokens, k]: the weighted sum of each
@@ -51,16 +81,22 @@ class Experts(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # this rank's experts' (token, slot) pairs: all of them unless experts are split by rank
+        begin = sum(counts[: self.first_expert])
+        local = counts[self.first_expert : self.first_expert + self.local_experts]
+        order = order[begin : begin + sum(local)]
         tokens = order // k
         grouped = x[tokens]
         outs, start = [], 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(local):
             if count:
                 gate_up = ops.linear(grouped[start : start + count], self.gate_up_proj[e], None)
                 outs.append(ops.linear(self._act_and_mul(gate_up), self.down_proj[e], None))
             start += count
-        out = torch.cat(outs) * weights.flatten()[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        out = torch.zeros_like(x)
+        if outs:
+            out.index_add_(0, tokens, torch.cat(outs) * weights.flatten()[order, None])
+        return out if self.sum_over is None else self.sum_over.all_reduce(out)
 
     def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.act is F.silu:
@@ -82,7 +118,7 @@ class SparseMoE(nn.Module):
 
     def decode_weights(self) -> None:
         """None: ops.decode_layers runs dense feed-forwards only (see GatedMLP)."""
-        return None
+        return
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = ops.linear(x, self.gate.weight, None)
@@ -105,7 +141,12 @@ def load_expert_weight(loader: WeightLoader, name: str, tensor: torch.Tensor) ->
     if one:
         prefix, e, part = one.group(1), int(one.group(2)), one.group(3)
         experts: Experts = loader.model.get_submodule(prefix)
-        pieces = experts.num_experts * (1 if part == "down_proj" else 2)
+        e -= experts.first_expert
+        if not 0 <= e < experts.local_experts:
+            return True  # another rank's expert
+        rank_part = experts.piece_part(part)
+        tensor = tensor if rank_part is None else rank_part.take(tensor)
+        pieces = experts.local_experts * (1 if part == "down_proj" else 2)
         if part == "down_proj":
             loader.copy_piece(f"{prefix}.down_proj", (e, part), (e,), tensor, pieces)
         else:
@@ -114,8 +155,10 @@ def load_expert_weight(loader: WeightLoader, name: str, tensor: torch.Tensor) ->
             loader.copy_piece(f"{prefix}.gate_up_proj", (e, part), region, tensor, pieces)
         return True
     if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-        expected = loader.model.get_parameter(name).shape
-        if tensor.shape != expected and tensor.transpose(1, 2).shape == expected:
+        experts: Experts = loader.model.get_submodule(name.rsplit(".", 1)[0])
+        whole = (experts.num_experts, 2 * experts.intermediate, experts.hidden) if name.endswith("gate_up_proj") \
+            else (experts.num_experts, experts.hidden, experts.intermediate)
+        if tensor.shape != whole and tensor.transpose(1, 2).shape == whole:
             tensor = tensor.transpose(1, 2)  # Qwen's release layout: [experts, in, out]
         loader.copy(name, tensor)
         return True

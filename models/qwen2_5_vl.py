@@ -102,7 +102,7 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
         layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
         specs: dict[int, KVCacheSpec] = {}
         for i, kind in enumerate(layer_types):
-            common = dict(block_size=block_size, num_kv_heads=cfg.num_key_value_heads, head_size=head_dim, dtype=dtype)
+            common = dict(block_size=block_size, num_kv_heads=self.kv_heads_per_rank(), head_size=head_dim, dtype=dtype)
             if kind == "sliding_attention" and cfg.sliding_window:
                 specs[i] = SlidingWindowSpec(**common, sliding_window=cfg.sliding_window)
             else:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmserve.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, MambaSpec
+from vlmserve.distributed import TensorParallel
 from vlmserve.kernels import ops
 from vlmserve.kernels.gdn import RecurrentMetadata
 from vlmserve.models.base import MRoPEDecoder, VisionLanguageModel
@@ -28,6 +29,7 @@ from vlmserve.models.layers import (
 )
 from vlmserve.models.moe import feed_forward
 from vlmserve.models.qwen3_vl import VisionTransformer
+from vlmserve.models.tensor_parallel import RankPart, set_part, split_input, split_output, units_of_rank
 from vlmserve.multimodal.inputs import MultiModalFeature
 
 
@@ -72,6 +74,22 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(self.head_v))
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
 
+    def split_for_ranks(self, tp: TensorParallel, expert_parallel: bool) -> None:
+        """The rank's key and value heads (their projections, convolution channels, decay
+        and gate parameters, and recurrent state); the output projection row-parallel."""
+        nk, nv = self.num_k_heads, self.num_v_heads
+        conv = ((nk, self.head_k), (nk, self.head_k), (nv, self.head_v))
+        split_output(self.in_proj, tp, [conv, ((nv, self.head_v),), ((nv, 1),), ((nv, 1),)])
+        conv_part = RankPart(0, conv, tp)
+        set_part(self.conv1d, "weight", conv_part, (conv_part.length(), 1, self.kernel))
+        heads = RankPart(0, ((nv, 1),), tp)
+        for leaf in ("dt_bias", "A_log"):
+            set_part(self, leaf, heads, (heads.length(),))
+        split_input(self.out_proj, tp, nv, self.head_v)
+        self.num_k_heads, self.num_v_heads = units_of_rank(nk, tp)[1], heads.length()
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k, self.num_v_heads * self.head_v
+        self.conv_dim = conv_part.length()
+
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k, self.head_v)
 
@@ -107,7 +125,7 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> None:
         """None: its attention (gated, or Gated DeltaNet) runs op by op (see PreNormDecoderLayer)."""
-        return None
+        return
 
     def forward(self, x, delta, cos, sin, ctx: ForwardContext, keep_rows: torch.Tensor | None = None):
         """(x, delta) in and out, keep_rows as PreNormDecoderLayer's."""
@@ -140,7 +158,7 @@ class Qwen3_5ForConditionalGeneration(VisionLanguageModel):
                 conv, ssm = layer.linear_attn.state_shapes()
                 specs[i] = MambaSpec(block_size=block_size, conv_shape=conv, ssm_shape=ssm, dtype=dtype)
             else:
-                specs[i] = FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
+                specs[i] = FullAttentionSpec(block_size=block_size, num_kv_heads=self.kv_heads_per_rank(),
                                              head_size=cfg.head_dim, dtype=dtype)
         return specs
 

@@ -133,7 +133,7 @@ class Qwen3VLForConditionalGeneration(VisionLanguageModel):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         cfg = self.text_config
-        return {i: FullAttentionSpec(block_size=block_size, num_kv_heads=cfg.num_key_value_heads,
+        return {i: FullAttentionSpec(block_size=block_size, num_kv_heads=self.kv_heads_per_rank(),
                                      head_size=cfg.head_dim, dtype=dtype) for i in range(cfg.num_hidden_layers)}
 
     @staticmethod

@@ -85,6 +85,7 @@ class WeightLoader:
         self.pieces_loaded: dict[str, set] = {}
 
     def copy(self, name: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        tensor = self._rank_part(name, tensor)
         linear = self._quantized_target(name, tensor)
         if linear is not None:
             if tensor.shape != (linear.out_features, linear.in_features):
@@ -103,6 +104,7 @@ class WeightLoader:
 
     def copy_shard(self, name: str, tensor: torch.Tensor | QuantizedWeight, index: int) -> None:
         module = self.model.get_submodule(name.rsplit(".", 1)[0])
+        tensor = self._rank_part(name, tensor, index)
         sizes = module.shard_sizes
         param = self._param(name)
         if tensor.shape[0] != sizes[index] or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
@@ -133,6 +135,23 @@ class WeightLoader:
         done.add(key)
         if len(done) == pieces:
             self._mark_loaded(name)
+
+    def _rank_part(self, name: str, tensor: torch.Tensor | QuantizedWeight, index: int | None = None
+                   ) -> torch.Tensor | QuantizedWeight:
+        """The part of a checkpoint tensor this rank holds, where the model is split across
+        ranks (models/tensor_parallel.py): cut from the memory-mapped tensor, so only that
+        part is read."""
+        module_name, _, leaf = name.rpartition(".")
+        try:
+            parts = getattr(self.model.get_submodule(module_name), "rank_parts", {})
+        except AttributeError:  # no such module: _param says so
+            parts = {}
+        part = parts.get((leaf, index))
+        if part is None:
+            return tensor
+        if isinstance(tensor, QuantizedWeight):
+            tensor = dequantize(tensor)  # published quantized formats are split in the model's dtype
+        return part.take(tensor)
 
     def _mark_loaded(self, name: str) -> None:
         self.loaded.add(name)

@@ -15,7 +15,7 @@ FOLDERS = {"vlmserve": "vlmserve", "kernels": "vlmserve.kernels", "models": "vlm
 LAYERS = [
     # shared vocabulary: settings, errors, what a request asks for
     ["vlmserve", "vlmserve.errors", "vlmserve.sampling_params", "vlmserve.config", "vlmserve.phase_timer", "vlmserve.allocator",
-     "vlmserve.multimodal.inputs", "vlmserve.multimodal.hashing", "vlmserve.lora.request"],
+     "vlmserve.multimodal.inputs", "vlmserve.multimodal.hashing", "vlmserve.lora.request", "vlmserve.distributed"],
     # the pieces: kernels, media, grammars, the scheduler and its caches
     ["vlmserve.kernels", "vlmserve.multimodal", "vlmserve.structured_output", "vlmserve.core", "vlmserve.request",
      "vlmserve.outputs", "vlmserve.lora"],

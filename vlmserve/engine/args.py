@@ -104,17 +104,6 @@ class EngineArgs:
     # (VLMSERVE_ASYNC_SCHEDULING=1 or 0 sets the default)
     async_scheduling: bool | None = None
 
-    def overlaps_steps(self) -> bool:
-        """Whether steps are scheduled asynchronously (async_scheduling, or its default)."""
-        import torch
-
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        if envs.VLMSERVE_ASYNC_SCHEDULING is not None:
-            return envs.VLMSERVE_ASYNC_SCHEDULING
-        # on 2 cores the host's thread slows the forward's more than overlapping gains
-        # (docs/benchmarks.md, the host's share of a step)
-        return torch.device(self.device).type == "cuda" or (os.cpu_count() or 1) > torch.get_num_threads()
     # JSON, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model: {"model":
     # "<folder or org/name>", "num_speculative_tokens": 3}; empty: no speculative decoding
@@ -127,6 +116,28 @@ class EngineArgs:
     max_regex_chars: int = 4096  # a regex, or one pattern of a JSON schema
     grammar_compile_timeout: float = 10.0  # seconds a grammar may take to compile before its request is refused
     grammar_compile_workers: int = 2  # processes that compile grammars, each one grammar at a time
+    # split the model across this many ranks (tensor parallelism: each rank holds a share of
+    # every layer's heads and widths and of the vocabulary; the vision tower whole): the
+    # checkpoints one device cannot hold. --kv-cache-memory-gb is each rank's; on the CPU the
+    # ranks share its cores (each gets 1/N of the compute threads)
+    tensor_parallel_size: int = 1
+    # mixture-of-experts layers: whole experts by rank, not each expert split across the ranks
+    enable_expert_parallel: bool = False
+    # where ranks 1..N-1 run: mp (processes of this machine) or ray (actors anywhere in the
+    # Ray cluster RAY_ADDRESS names, else a local one)
+    distributed_executor_backend: str = "mp"
+
+    def overlaps_steps(self) -> bool:
+        """Whether steps are scheduled asynchronously (async_scheduling, or its default)."""
+        import torch
+
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        if envs.VLMSERVE_ASYNC_SCHEDULING is not None:
+            return envs.VLMSERVE_ASYNC_SCHEDULING
+        # on 2 cores the host's thread slows the forward's more than overlapping gains
+        # (docs/benchmarks.md, the host's share of a step)
+        return torch.device(self.device).type == "cuda" or (os.cpu_count() or 1) > torch.get_num_threads()
 
     def check_device(self) -> None:
         """A device this machine has, and on the CPU Triton only under its interpreter
@@ -139,6 +150,10 @@ class EngineArgs:
         if kind == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device}: no CUDA device on this machine (torch.cuda.is_available() "
                               f"is False); use --device cpu")
+        gpus = torch.cuda.device_count() if kind == "cuda" else 0
+        if kind == "cuda" and self.distributed_executor_backend == "mp" and self.tensor_parallel_size > gpus:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: this machine has {gpus} GPU(s), "
+                              f"one a rank (--distributed-executor-backend ray places ranks across machines)")
 
     def check_quantization(self, hf_config: Any) -> None:
         """A method vlmserve has, and a checkpoint quantized in a format it loads (checked
@@ -164,6 +179,16 @@ class EngineArgs:
         self.speculative()
         if self.generation_config not in ("auto", "vlmserve"):
             raise ConfigError(f"--generation-config {self.generation_config}: auto or vlmserve")
+        self.check_parallel()
+
+    def check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: at least 1")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ConfigError(f"--distributed-executor-backend {self.distributed_executor_backend}: mp or ray")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ConfigError("--enable-lora with --tensor-parallel-size over 1: adapters are not split across ranks "
+                              "yet; serve adapters with one rank (replicas for more traffic)")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

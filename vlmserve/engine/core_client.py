@@ -61,7 +61,7 @@ class InProcessCore:
         return self.core.reset_caches()
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
 
 class ProcessCore:
@@ -213,6 +213,8 @@ def run_core_process(args: EngineArgs, model_path: str, eos_token_id: int | None
                 outputs.send(("outputs", (step_outputs, stats, phases)))
     except (EOFError, BrokenPipeError, OSError):
         return  # the front end is gone
+    finally:
+        core.shutdown()
 
 
 def _handle(core: EngineCore, conn: Connection, kind: str, payload: Any) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -17,19 +16,19 @@ from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
 from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
+from vlmserve.distributed import SINGLE
 from vlmserve.engine.args import EngineArgs
-from vlmserve.engine.model_source import draft_checkpoint, resolve_pooler
-from vlmserve.errors import ConfigError
+from vlmserve.engine.model_source import draft_checkpoint
+from vlmserve.engine.ranks import ParallelRunner, Ranks
+from vlmserve.engine.runner_setup import RunnerPlan, load_models, make_runner, rank_device
+from vlmserve.errors import ConfigError, RankFailure
 from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
-from vlmserve.spec_decode.draft_model import DraftModelProposer, check_draft_model
-from vlmserve.spec_decode.ngram_proposer import NgramProposer
+from vlmserve.spec_decode.draft_model import check_draft_model
 from vlmserve.structured_output.manager import StructuredOutputManager
 from vlmserve.worker.device_queue import DeviceQueue
-from vlmserve.worker.lora_slots import LoRASlots
-from vlmserve.worker.model_loader import load_model
 from vlmserve.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ class EngineCore:
     the last one's tokens on the host first (a grammar's mask, penalties, drafts to check,
     an adapter), the pipeline drains: the last step finishes before the next is scheduled."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, structured: StructuredOutputManager,
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner | ParallelRunner, structured: StructuredOutputManager,
                  timer: PhaseTimer | None = None, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -126,6 +125,9 @@ class EngineCore:
         self.runner.clear_encoder_cache()
         return True
 
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         if self.in_flight is not None and not self._can_schedule_ahead():
@@ -167,6 +169,8 @@ class EngineCore:
         self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended))
         try:
             return InFlight(scheduler_output, self.runner.submit(scheduler_output, grammars.bitmask))
+        except RankFailure:
+            raise  # the engine cannot go on
         except Exception as e:
             outputs += self._fail(scheduler_output, e)
             return None
@@ -177,6 +181,8 @@ class EngineCore:
         what it left) is undone: its requests start again."""
         try:
             runner_output = flight.pending.result()
+        except RankFailure:
+            raise
         except Exception as e:
             if behind is not None and behind.pending is not None:
                 try:
@@ -202,7 +208,7 @@ class EngineCore:
 def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | None,
                       timer: PhaseTimer | None = None) -> tuple[EngineCore, CoreInfo]:
     """Loads the model, sizes the KV cache from the memory budget, and builds the
-    scheduler and the runner."""
+    scheduler and the runner (over the model's ranks, where it is split across several)."""
     start = time.perf_counter()
     keep_freed_memory()  # before the model's weights and the KV cache are allocated
     torch.manual_seed(args.seed)
@@ -212,11 +218,47 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         draft_path = draft_checkpoint(speculative, model_path, args.download_dir)  # before anything loads
     if speculative:
         logger.info("speculative decoding: %s", speculative)
+    # the other ranks of a model split across processes: started first, they load their parts meanwhile
+    ranks = Ranks.start(args, model_path, draft_path) if args.tensor_parallel_size > 1 else None
+    try:
+        core, info = _build(args, model_path, eos_token_id, timer, draft_path, ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        raise
+    info.seconds = time.perf_counter() - start
+    return core, info
+
+
+def _build(args: EngineArgs, model_path: str, eos_token_id: int | None, timer: PhaseTimer | None,
+           draft_path: str | None, ranks: Ranks | None) -> tuple[EngineCore, CoreInfo]:
     # the device work's thread (async scheduling on the CPU) builds the models it runs
     overlap = args.overlaps_steps()
     queue = DeviceQueue(threaded=overlap and torch.device(args.device).type == "cpu")
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
-    model, hf_config, draft_model = queue.call(lambda: _load_models(args, model_path, kernels, draft_path))
+    device = rank_device(args.device, 0)
+    model, hf_config, draft_model = queue.call(lambda: load_models(args, model_path, kernels, draft_path,
+                                                                   ranks.tp if ranks else SINGLE, device))
+    plan, max_chunk_tokens = plan_runner(args, model, hf_config, draft_model, eos_token_id)
+    timer = timer or PhaseTimer(args.time_steps)
+    runner = queue.call(lambda: make_runner(args, model, draft_model, kernels, plan, device, timer, queue))
+    if ranks is not None:
+        runner = ranks.follow(runner, plan)
+    kv_config, sched_config = plan.kv_config, plan.sched_config
+    kv_manager = KVCacheManager(kv_config, sched_config.max_model_len, args.prefix_caching)
+    scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
+    structured = StructuredOutputManager(model_path, model.text_config.vocab_size, sched_config.max_num_seqs)
+    info = CoreInfo(sched_config.max_model_len, max_chunk_tokens, kv_config.num_blocks, len(kv_config.groups),
+                    str(next(model.parameters()).dtype).removeprefix("torch."), 0.0,
+                    runner.lora.targets if runner.lora else None)
+    return EngineCore(scheduler, runner, structured, timer, overlap), info
+
+
+def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model: torch.nn.Module | None,
+                eos_token_id: int | None) -> tuple[RunnerPlan, int]:
+    """The KV cache's layout and the scheduler's limits for the loaded model (the same on
+    every rank), and the most prompt tokens a request computes in a step."""
+    speculative = args.speculative()
     dtype = next(model.parameters()).dtype
     groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
     draft_groups = [] if draft_model is None else check_draft_model(draft_model, groups, args.block_size, dtype)
@@ -241,36 +283,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
         max_chunk_tokens=max_chunk_tokens,
         max_loras=args.max_loras if args.enable_lora else 0,
     )
-    timer = timer or PhaseTimer(args.time_steps)
-    lora = LoRASlots(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras, torch.device(args.device)) \
-        if args.enable_lora else None
-    proposer = None
-    if draft_model is not None:
-        proposer = DraftModelProposer(draft_model, num_drafts, kv_config, max_num_seqs, max_model_len)
-    elif speculative is not None:
-        proposer = NgramProposer(speculative)
-    runner = queue.call(lambda: ModelRunner(model, kernels, kv_config, sched_config, eos_token_id, args.device,
-                                            args.seed, timer, proposer, lora, not args.enforce_eager, queue))
-    kv_manager = KVCacheManager(kv_config, max_model_len, args.prefix_caching)
-    scheduler = Scheduler(sched_config, kv_manager, EncoderCacheManager(args.encoder_cache_size))
-    structured = StructuredOutputManager(model_path, model.text_config.vocab_size, max_num_seqs)
-    info = CoreInfo(max_model_len, max_chunk_tokens, kv_config.num_blocks, len(groups), str(dtype).removeprefix("torch."),
-                    time.perf_counter() - start, lora.targets if lora else None)
-    return EngineCore(scheduler, runner, structured, timer, overlap), info
-
-
-def _load_models(args: EngineArgs, model_path: str, kernels, draft_path: str | None
-                 ) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
-    """The model (and the draft model, for speculative decoding with one)."""
-    pooler = resolve_pooler(args.runner, args.pooler_config, model_path)
-    embeds = pooler is not None and pooler.task == "embed"  # a reranker keeps its head: its score is two logits
-    model, hf_config = load_model(model_path, args.dtype, kernels, args.device, args.pack_weights,
-                                   args.quantization, embeds)
-    draft_model = None
-    if draft_path:
-        draft_model = load_model(draft_path, next(model.parameters()).dtype, kernels, args.device,
-                                 args.pack_weights)[0]
-    return model, hf_config, draft_model
+    return RunnerPlan(kv_config, sched_config, eos_token_id), max_chunk_tokens
 
 
 def state_bytes_per_request(groups, num_drafts: int = 0, draft_groups=()) -> int:

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from vlmserve.distributed import SINGLE, TensorParallel
 from vlmserve.kernels import KernelTable, ops, use_kernels
 from vlmserve.kernels.cpu_extension import widens_bf16
 from vlmserve.kernels.quantized_linear import tiled_kernels_available
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Embedding, Linear
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
+from vlmserve.models.tensor_parallel import shard_model
 from vlmserve.models.weights import iter_safetensors, return_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -167,10 +169,12 @@ def quantize_remaining(targets: dict[Linear, str]) -> tuple[int, int]:
 def load_model(
     model_path: str | Path, dtype: str | torch.dtype, kernels: KernelTable, device: str = "cpu",
     pack_weights: bool = True, quantization: str | None = None, embeds: bool = False,
+    tp: TensorParallel = SINGLE, expert_parallel: bool = False,
 ) -> tuple[nn.Module, object]:
     """The model in dtype on the device, its language layers quantized if asked, its
     weights packed for `kernels` (the engine's kernel table), and its HF config. A model
-    that embeds has no output head (embedding checkpoints often leave it out)."""
+    that embeds has no output head (embedding checkpoints often leave it out). Split across
+    ranks (tp), it is this rank's part, read from the checkpoint alone."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
@@ -179,10 +183,11 @@ def load_model(
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
         model = model_cls(hf_config)
-    with use_kernels(kernels):
-        place_streamed_weights(model)
     if embeds:
         model.lm_head = None  # a head in the checkpoint is skipped
+    shard_model(model, tp, expert_parallel)
+    with use_kernels(kernels):
+        place_streamed_weights(model)
     if published and quantization:
         raise ValueError(f"the checkpoint is already quantized ({published.method}): --quantization is for "
                          f"unquantized ones")
@@ -218,8 +223,6 @@ def load_model(
             packed = pack_linear_weights(model)
         return_freed_memory()  # weights whose packed copies took their place
         logger.debug("packed linear weights: %.1f MB", packed / 1e6)
-    logger.info(
-        "loaded %s (%.1fM parameters, %s) in %.2fs",
-        model_cls.__name__, num_params / 1e6, dtype, time.perf_counter() - start,
-    )
+    logger.info("loaded %s (%.1fM parameters%s, %s) in %.2fs", model_cls.__name__, num_params / 1e6,
+                f" on rank {tp.rank} of {tp.size}" if tp.size > 1 else "", dtype, time.perf_counter() - start)
     return model, hf_config

@@ -118,6 +118,9 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
+    def shutdown(self) -> None:
+        self.queue.close()
+
     def load_lora(self, lora: LoRARequest) -> None:
         """Reads an adapter into memory ahead of its first step (LoRAError if it cannot), in
         order with the device work (which fills the slots from what it reads)."""
