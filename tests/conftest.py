@@ -64,6 +64,15 @@ def data_url(img: Image.Image) -> str:
 
 
 @pytest.fixture(scope="session")
+def thinking_path(tmp_path_factory):
+    """Tiny Qwen3-VL with Qwen3's thinking template and tokens, trained (seconds) to think,
+    then answer its lessons (vlmserve/testing/thinking.py)."""
+    from vlmserve.testing.thinking import build_qwen3_thinking
+
+    return str(build_qwen3_thinking(tmp_path_factory.mktemp("thinking")))
+
+
+@pytest.fixture(scope="session")
 def qwen25_path(tmp_path_factory):
     """Tiny Qwen2.5-VL: 3 layers, the last one sliding-window (32 tokens), vision depth 2."""
     return str(build_qwen2_5_vl(tmp_path_factory.mktemp("qwen25")))

@@ -547,9 +547,10 @@ def test_named_and_required_tool_calls_then_the_tool_result(server):
         model="tiny", messages=messages, tools=[WEATHER], temperature=1.0, max_tokens=200, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [c.choices[0] for c in stream if c.choices]
-    streamed = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(streamed[0].function.arguments), WEATHER["function"]["parameters"])
+    streamed = [tc for d in deltas for tc in (d.delta.tool_calls or [])]  # its name first, then its arguments
+    assert {tc.index for tc in streamed} == {0} and streamed[0].function.name == "get_weather" and streamed[0].id
+    arguments = "".join(tc.function.arguments or "" for tc in streamed)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
     assert deltas[-1].finish_reason == "tool_calls"
 
     follow_up = messages + [choice.message.model_dump(exclude_none=True),
@@ -598,4 +599,5 @@ def test_a_forced_call_whose_argument_holds_the_closing_tag_is_still_a_call(serv
     deltas = [c.choices[0] for c in stream if c.choices]
     calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
     assert "".join(d.delta.content or "" for d in deltas) == "" and deltas[-1].finish_reason == "tool_calls"
-    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"text": "</tool_call> done"}
+    assert {tc.index for tc in calls} == {0} and calls[0].function.name == "echo"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"text": "</tool_call> done"}

@@ -50,6 +50,8 @@ def to_openai_messages(history: list[dict], detail: str) -> list[dict]:
     next question must not send the broken file again."""
     messages: list[dict] = []
     for msg in history:
+        if is_reasoning(msg):  # shown, not sent back: chat templates leave earlier reasoning out
+            continue
         content = msg["content"] if isinstance(msg["content"], list) else [msg["content"]]
         parts = []
         for part in content:
@@ -74,6 +76,20 @@ def to_openai_messages(history: list[dict], detail: str) -> list[dict]:
         else:
             messages.append({"role": "user", "content": parts})
     return messages
+
+
+REASONING_TITLE = "Reasoning"
+
+
+def is_reasoning(msg: dict) -> bool:
+    """A thinking model's reasoning, shown folded above its answer."""
+    return bool((msg.get("metadata") or {}).get("title"))
+
+
+def reasoning_delta(delta: Any) -> str:
+    """The reasoning a streamed chunk adds (vLLM's `reasoning`, or its older name)."""
+    extra = getattr(delta, "model_extra", None) or {}
+    return extra.get("reasoning") or extra.get("reasoning_content") or ""
 
 
 def stats_line(usage: dict | None, ttft: float | None, seconds: float, tokens: int) -> str:
@@ -135,20 +151,29 @@ class ChatApp:
                 temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens,
                 seed=settings.seed, extra_body=extra,
             )
+            thought = None  # the reasoning's message, above the answer, once some comes
             async for chunk in stream:
                 if chunk.usage is not None:
                     usage = chunk.usage.model_dump()
                 if not chunk.choices:
                     continue
-                delta = chunk.choices[0].delta.content or ""
-                if delta:
+                delta, more = chunk.choices[0].delta.content or "", reasoning_delta(chunk.choices[0].delta)
+                if more and thought is None:
+                    thought = {"role": "assistant", "content": "",
+                               "metadata": {"title": REASONING_TITLE, "status": "pending"}}
+                    history.insert(len(history) - 1, thought)
+                if delta or more:
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     tokens += 1
                     text += delta
                     history[-1]["content"] = text
+                    if more:
+                        thought["content"] += more
                     if time.perf_counter() - shown >= REFRESH_SECONDS:
                         shown = time.perf_counter()
                         yield history, ""
+            if thought is not None:
+                thought["metadata"]["status"] = "done"
             yield history, stats_line(usage, ttft, time.perf_counter() - start, (usage or {}).get("completion_tokens", tokens))
         except (openai.APIConnectionError, openai.APITimeoutError) as e:
             history[-1]["content"] = f"{ERROR_MARK} the server is not reachable ({e.__class__.__name__}); is it running?"

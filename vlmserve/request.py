@@ -13,6 +13,7 @@ from vlmserve.pooling_params import PoolingParams
 from vlmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vlmserve.reasoning.bounds import ReasoningBounds
     from vlmserve.structured_output.compiler import CompiledSpec
     from vlmserve.structured_output.manager import RequestGrammar
 
@@ -55,6 +56,9 @@ BlockHasher = Callable[["Request"], list[bytes]]
 
 
 class Request:
+    # a thinking model's: where its reasoning ends (its grammar starts there) and its budget
+    reasoning: ReasoningBounds | None = None
+
     def __init__(
         self,
         request_id: str,
@@ -137,6 +141,7 @@ class Request:
         clone.block_hashes = list(self.block_hashes)
         clone.cache_points = list(self.cache_points)
         clone.compiled_grammar = self.compiled_grammar
+        clone.reasoning = self.reasoning
         return clone
 
     # -- tokens ---------------------------------------------------------------
@@ -179,7 +184,7 @@ class Request:
     @functools.cached_property
     def needs_its_last_token(self) -> bool:
         """Whether sampling its next token reads the tokens before it (penalties, a bad word
-        of several tokens, min_tokens' bans, a grammar) or it runs under an adapter: its
+        of several tokens, min_tokens' bans, a grammar, a thinking budget) or it runs under an adapter: its
         next step cannot be scheduled while its last token is still being sampled. Read
         once, when the scheduler takes it (its grammar is set by then)."""
         p = self.sampling_params

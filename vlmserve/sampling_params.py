@@ -51,6 +51,9 @@ class StructuredOutputsParams:
     # with json: the JSON is written between these two texts (a forced tool call in the
     # model's own format, e.g. <tool_call> ... </tool_call>)
     tool_call_tags: tuple[str, str] | None = None
+    # with json: the calls of `json` (anyOf one {"name", "arguments"} schema per tool) are
+    # written in Qwen's XML form (<tool_call><function=...><parameter=...>)
+    tool_call_xml: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -67,6 +70,7 @@ class StructuredOutputsParams:
         _check(self.choice is None or (self.choice and all(isinstance(c, str) and c for c in self.choice)),
                "structured_outputs.choice must be a non-empty list of non-empty strings")
         _check(self.tool_call_tags is None or self.json is not None, "structured_outputs.tool_call_tags needs json")
+        _check(not self.tool_call_xml or isinstance(self.json, dict), "structured_outputs.tool_call_xml needs json")
 
     @functools.cached_property
     def key(self) -> tuple[str, str]:
@@ -76,6 +80,8 @@ class StructuredOutputsParams:
         if self.json is not None:
             # property order is kept: the answer writes properties in the order the schema lists them
             schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            if self.tool_call_xml:
+                return "json", json.dumps([schema, "xml"])
             return "json", schema if self.tool_call_tags is None else json.dumps([schema, *self.tool_call_tags])
         if self.json_object:
             return "json_object", ""
@@ -130,6 +136,9 @@ class SamplingParams:
     # bad_words as token-id sequences, set by the engine with its tokenizer
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: reasoning tokens a thinking model may write before its closing tag is forced
+    # (an engine with a reasoning parser); None: no limit
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         """Range checks that need no model; `verify` adds the model's. Each failure is a
@@ -170,6 +179,9 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
                f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+                                                        and self.thinking_token_budget >= 0),
+               f"thinking_token_budget must be a non-negative integer, got {self.thinking_token_budget!r}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:

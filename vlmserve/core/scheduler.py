@@ -94,11 +94,13 @@ class Scheduler:
         return outputs
 
     def grammars_sampling(self, scheduler_output: SchedulerOutput) -> list[tuple[str, RequestGrammar]]:
-        """The requests of a step that sample a token under a grammar, in step order."""
+        """The requests of a step that sample a token under a grammar (one that has started:
+        a thinking model's starts after its reasoning), in step order."""
         found = []
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests[rid]
-            if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+            if request.grammar is not None and request.num_computed_tokens >= request.num_tokens \
+                    and request.grammar.masks_next():
                 found.append((rid, request.grammar))
         return found
 

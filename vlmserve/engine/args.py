@@ -116,6 +116,16 @@ class EngineArgs:
     max_regex_chars: int = 4096  # a regex, or one pattern of a JSON schema
     grammar_compile_timeout: float = 10.0  # seconds a grammar may take to compile before its request is refused
     grammar_compile_workers: int = 2  # processes that compile grammars, each one grammar at a time
+    # thinking models: split each answer's reasoning from its content (vLLM's names: qwen3 for
+    # Qwen3-VL, Qwen3-VL-Thinking and Qwen3.5; deepseek_r1); structured output and forced tool
+    # calls then start after the reasoning, and requests may set thinking_token_budget
+    reasoning_parser: str | None = None
+    # a chat template replacing the checkpoint's: a file (.jinja, or a .json with
+    # "chat_template"), or the Jinja text itself
+    chat_template: str | None = None
+    # how a message's content reaches the template: auto (read from the template), string
+    # (its text parts joined), or openai (a list of parts)
+    chat_template_content_format: str = "auto"
     # split the model across this many ranks (tensor parallelism: each rank holds a share of
     # every layer's heads and widths and of the vocabulary; the vision tower whole): the
     # checkpoints one device cannot hold. --kv-cache-memory-gb is each rank's; on the CPU the

@@ -29,6 +29,7 @@ from vlmserve.lora.request import LoRARequest
 from vlmserve.metrics import EngineMetrics
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
+from vlmserve.reasoning.parsers import ReasoningParser
 from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ class AsyncLLM:
     @property
     def sampling_defaults(self) -> dict[str, Any]:
         return self._engine.sampling_defaults
+
+    @property
+    def reasoning(self) -> ReasoningParser | None:
+        return self._engine.reasoning
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmserve.engine.chat_template import ChatTemplate, as_strings
 from vlmserve.engine.input_processor import PromptInput
 
 _PART_MODALITY = {"image_url": "image", "image": "image", "image_pil": "image", "video_url": "video", "video": "video"}
@@ -116,16 +117,25 @@ def render_chat(
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    template: ChatTemplate | None = None,
 ) -> PromptInput:
     """The prompt of chat messages; with continue_final_message, the last message is left
-    open for the answer to continue it."""
+    open for the answer to continue it. `template`: --chat-template and its content format
+    (default: the checkpoint's template, its format read from it)."""
     parsed = parse_chat_messages(messages)
+    template = template or ChatTemplate()
+    text = template.text or getattr(hf_processor, "chat_template", None)
+    rendered = parsed.messages
+    if template.format_for(text) == "string":
+        image_mark = getattr(hf_processor, "boi_token", None) or getattr(hf_processor, "image_token", None)
+        rendered = as_strings(rendered, image_mark, getattr(hf_processor, "video_token", None))
     try:
         prompt = hf_processor.apply_chat_template(
-            parsed.messages,
+            rendered,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **({"chat_template": template.text} if template.text else {}),
             **({"tools": tools} if tools else {}),
             **(chat_template_kwargs or {}),
         )

@@ -100,12 +100,14 @@ class EngineCore:
             # read now: an adapter folder that changed since the front end checked it fails
             # this request alone, not the step it would have joined
             self.runner.load_lora(request.lora_request)
-        if request.compiled_grammar is not None:
+        budget = request.reasoning is not None and request.reasoning.budget is not None
+        if request.compiled_grammar is not None or budget:
             # the grammar ends on the model's end-of-sequence token alone: a request's own
-            # stop_token_ids end the answer where they appear, as without a grammar
+            # stop_token_ids end the answer where they appear, as without a grammar; a
+            # thinking model's starts after its reasoning (and a budget closes that)
             stop_ids = [] if request.eos_token_id is None else [request.eos_token_id]
             request.grammar = self.structured.request_grammar(request.compiled_grammar, request.output_token_ids,
-                                                              stop_ids)
+                                                              stop_ids, request.reasoning)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -16,11 +16,13 @@ from transformers import AutoConfig
 from vlmserve.core.kv_cache_utils import BlockHasher
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.chat import render_chat
+from vlmserve.engine.chat_template import ChatTemplate
 from vlmserve.engine.core_client import InProcessCore, ProcessCore
 from vlmserve.engine.engine_core import EngineCore
 from vlmserve.engine.input_processor import InputProcessor, PromptInput
 from vlmserve.engine.model_source import classifier_token_ids, resolve_model_path, resolve_pooler, sampling_defaults
 from vlmserve.engine.output_processor import OutputProcessor
+from vlmserve.errors import ConfigError
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.metrics import EngineStats
 from vlmserve.lora.adapter import LoRAAdapter, LoRAError, read_adapter
@@ -31,7 +33,8 @@ from vlmserve.multimodal.processor import MultiModalProcessor
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
 from vlmserve.request import Request
-from vlmserve.sampling_params import SamplingParams
+from vlmserve.reasoning.parsers import ReasoningParser, reasoning_parser
+from vlmserve.sampling_params import ParamError, SamplingParams
 from vlmserve.structured_output.compiler import CompiledSpec, GrammarCompiler
 from vlmserve.structured_output.manager import tokenizer_info_of
 from vlmserve.structured_output.schema import check_spec
@@ -60,6 +63,7 @@ class LLMEngine:
         args.check_device()
         args.check_settings()  # before anything is loaded
         self.args = args
+        self.chat_template = ChatTemplate.of(args.chat_template, args.chat_template_content_format)
         self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.sampling_defaults = sampling_defaults(self.model_path) if args.generation_config == "auto" else {}
         if self.sampling_defaults:
@@ -90,6 +94,13 @@ class LLMEngine:
         self.mm_processor = MultiModalProcessor(self.model_path, hf_config, media_loader,
                                                 int(args.processor_cache_gb * (1 << 30)), getattr(torch, info.dtype))
         self.tokenizer = self.mm_processor.hf_processor.tokenizer
+        self.reasoning: ReasoningParser | None = None  # --reasoning-parser's, for this tokenizer
+        if args.reasoning_parser:
+            try:
+                self.reasoning = reasoning_parser(args.reasoning_parser, self.tokenizer)
+            except ValueError as e:
+                self.core.shutdown()
+                raise ConfigError(str(e)) from None
         self.score_token_ids = classifier_token_ids(self.tokenizer, self.pooler.classifier_from_token) \
             if self.pooler and self.pooler.classifier_from_token else None
         self.max_model_len = info.max_model_len
@@ -193,6 +204,10 @@ class LLMEngine:
             params = params.with_stop_token_ids(self.extra_eos_ids)
         request = self.input_processor.process(request_id, prompt, params.for_child(0), arrival_time, priority,
                                                cache_salt, lora_request, adapts_vision, pooling_params)
+        if self.reasoning is not None and (params.structured_outputs is not None
+                                           or params.thinking_token_budget is not None):
+            # the core starts the grammar after the reasoning, and closes it when the budget is spent
+            request.reasoning = self.reasoning.bounds(request.prompt_token_ids, params.thinking_token_budget)
         return ProcessedRequest(request_id, PromptInput.parse(prompt).prompt, params, request)
 
     @property
@@ -241,7 +256,7 @@ class LLMEngine:
         """OpenAI-style chat messages (and tools) as a prompt, by the checkpoint's chat
         template (ValueError for messages it cannot take)."""
         return render_chat(self.mm_processor.hf_processor, messages, add_generation_prompt, chat_template_kwargs,
-                           tools, continue_final_message)
+                           tools, continue_final_message, self.chat_template)
 
     def default_sampling_params(self) -> SamplingParams:
         """vlmserve's defaults under the checkpoint's own (generation_config.json)."""
@@ -253,6 +268,9 @@ class LLMEngine:
         grammar engine enforces; returns them with the spec normalised and bad words
         tokenized. Cheap (linear in the request's size): safe on an event loop."""
         params.verify(self.vocab_size, self.args.max_n)
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ParamError("thinking_token_budget", "thinking_token_budget needs a server started with "
+                             "--reasoning-parser (the token that closes the reasoning is the parser's)")
         if params.structured_outputs is not None:
             params = replace(params, structured_outputs=check_spec(params.structured_outputs, self.grammar_limits))
         if params.bad_words:

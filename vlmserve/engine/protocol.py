@@ -11,6 +11,7 @@ from vlmserve.engine.input_processor import PromptInput
 from vlmserve.lora.request import LoRARequest
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
+from vlmserve.reasoning.parsers import ReasoningParser
 from vlmserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class EngineClient(Protocol):
     metrics: MetricsSource
     max_pending_requests: int | None  # completions in flight at most (None: no one cap, as for replicas)
     death_listeners: list[Callable[[BaseException], None]]  # called if the engine stops for good
+    reasoning: ReasoningParser | None  # --reasoning-parser's (None: an answer is all content)
 
     @property
     def tokenizer(self) -> Any: ...

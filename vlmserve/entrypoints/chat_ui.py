@@ -34,7 +34,7 @@ def run_ui(args) -> None:
     name = args.served_model_name or served_name(args.model, engine.model_path)
     # the API side by side is open exactly as `vlmserve serve` would be: with --api-key or without
     server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating,
-                          args.allowed_lora_path)
+                          args.allowed_lora_path, args.tool_call_parser)
     own = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     app = mount_chat_ui(server.build_app(), f"http://{own}:{args.port}/v1", args.api_key, model=name,
                         samples_folder=args.samples)

@@ -21,6 +21,9 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.errors import ConfigError
 
 
+TOOL_CALL_PARSERS = ("hermes", "qwen3_xml", "qwen3_coder")  # openai/tool_parsers.py's
+
+
 def parse_limits(text: str) -> dict[str, int]:
     """'image=4,video=1' -> {'image': 4, 'video': 1}"""
     limits = {}
@@ -117,6 +120,10 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     h.add_argument("--body-timeout", type=float, default=60.0, help="seconds a request may take to send its body")
     h.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on Ctrl-C / SIGTERM, seconds requests in flight get to finish before they are cut off")
+    h.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                   help="the format of the model's tool calls (vLLM's names): hermes, JSON in <tool_call> blocks "
+                        "(Qwen2.5-VL, Qwen3-VL); qwen3_xml or qwen3_coder, <tool_call><function=...><parameter=...> "
+                        "(Qwen3-Coder, Qwen3.5)")
     h.add_argument("--log-level", default="INFO")
     h.add_argument("--metrics-names", choices=["vllm", "vlmserve"], default="vllm",
                    help="the names of the /metrics series vLLM also has: vLLM's (vllm:*, with model_name and engine "

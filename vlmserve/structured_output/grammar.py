@@ -13,6 +13,7 @@ import xgrammar as xgr
 
 from vlmserve.sampling_params import ParamError, StructuredOutputsParams
 from vlmserve.structured_output import ebnf
+from vlmserve.structured_output.xml_calls import xml_call_grammar
 
 # JSON is generated compact (no free whitespace): what parsers expect, and a model cannot
 # wander off into spaces and newlines
@@ -22,6 +23,8 @@ SEPARATORS = (",", ":")
 def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     """The spec's grammar; ParamError saying what is wrong when it has none."""
     try:
+        if spec.tool_call_xml:  # a forced call in Qwen's XML form
+            return xml_call_grammar(spec.json, json_schema_grammar, _characters_only)
         if spec.json is not None:
             # the schema as written: no property or item it does not declare (OpenAI's strict)
             grammar = json_schema_grammar(spec.json)

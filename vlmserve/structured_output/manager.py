@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from vlmserve.reasoning.bounds import ReasoningBounds
 from vlmserve.structured_output.compiler import CompiledSpec
 from vlmserve.structured_output.grammar import build_grammar
 
@@ -39,29 +40,62 @@ class RequestGrammar:
     """One request's matcher, following the request's output tokens. `release()` drops it
     (preemption, the end); the next use builds a fresh one and replays the tokens
     generated so far. The grammar ends only on the model's end-of-sequence token: a
-    request's own stop_token_ids end it where they appear, like any answer."""
+    request's own stop_token_ids end it where they appear, like any answer.
 
-    def __init__(self, compiled: xgr.CompiledGrammar, output_token_ids: list[int], stop_token_ids: list[int]) -> None:
+    With a thinking model (`reasoning`), the grammar starts after the token that ends the
+    reasoning: until then it accepts every token and masks none, and once the thinking
+    budget is spent its mask admits that token alone. A request with a budget and no
+    grammar (`compiled` None) is followed for the budget only."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar | None, output_token_ids: list[int], stop_token_ids: list[int],
+                 reasoning: ReasoningBounds | None = None) -> None:
         self._compiled = compiled
         self._output_token_ids = output_token_ids  # the request's own list, which grows
         self._stop_token_ids = stop_token_ids
         self._matcher: xgr.GrammarMatcher | None = None
+        self.reasoning = reasoning
+        # where the grammar starts among the output tokens (None: still reasoning), and
+        # where the reasoning's budget counts from
+        self._start: int | None = 0 if reasoning is None else reasoning.answer_start(output_token_ids)
+        self._counted_from = 0
 
     @property
     def matcher(self) -> xgr.GrammarMatcher:
         if self._matcher is None:
             self._matcher = xgr.GrammarMatcher(self._compiled, override_stop_tokens=self._stop_token_ids or None)
-            for token in self._output_token_ids:  # a resumed request
+            for token in self._output_token_ids[self._start:]:  # a resumed request
                 if not self._matcher.accept_token(token):
                     raise RuntimeError(f"replaying token {token} into the grammar failed")
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
         """Advances past a generated token (it was appended to the output already)."""
+        if self._start is None:  # reasoning: the grammar has not started
+            if token_id == self.reasoning.end_token_id:
+                self._start = len(self._output_token_ids)
+            elif token_id == self.reasoning.start_token_id:
+                self._counted_from = len(self._output_token_ids)
+            return True
+        if self._compiled is None:
+            return True
         if self._matcher is None:
             self.matcher  # replays every output token, this one included
             return True
         return self._matcher.accept_token(token_id)
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next step must sample: the end of the reasoning, once its budget
+        is spent."""
+        r = self.reasoning
+        if self._start is not None or r is None or r.budget is None:
+            return None
+        return r.end_token_id if len(self._output_token_ids) - self._counted_from >= r.budget else None
+
+    def masks_next(self) -> bool:
+        """Whether the next token is sampled under a mask (the grammar's, or the forced end
+        of the reasoning)."""
+        return (self._start is not None and self._compiled is not None) or self.forced_token is not None
 
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()
@@ -80,9 +114,11 @@ class StructuredOutputManager:
         self._batch = xgr.BatchGrammarMatcher()
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
 
-    def request_grammar(self, spec: CompiledSpec, output_token_ids: list[int],
-                        stop_token_ids: list[int]) -> RequestGrammar:
-        return RequestGrammar(self._compiled(spec), output_token_ids, stop_token_ids)
+    def request_grammar(self, spec: CompiledSpec | None, output_token_ids: list[int], stop_token_ids: list[int],
+                        reasoning: ReasoningBounds | None = None) -> RequestGrammar:
+        """The matcher of a request with a grammar, a thinking budget, or both."""
+        return RequestGrammar(None if spec is None else self._compiled(spec), output_token_ids, stop_token_ids,
+                              reasoning)
 
     def _compiled(self, spec: CompiledSpec) -> xgr.CompiledGrammar:
         """The spec's grammar: as the front end compiled it, or — an engine core in a
@@ -104,28 +140,42 @@ class StructuredOutputManager:
 
     def step_grammars(self, grammars: list[tuple[str, RequestGrammar]]) -> StepGrammars:
         """The bitmask of this step's sampling requests under a grammar (threads of
-        xgrammar's own fill them in parallel). A request whose matcher cannot be rebuilt
+        xgrammar's own fill them in parallel), and a row admitting one token for each
+        request whose thinking budget is spent. A request whose matcher cannot be rebuilt
         fails alone; one whose grammar admits no token at all (an unsatisfiable branch)
         ends there, its batch-mates carry on."""
-        matchers, req_ids, broken = [], [], {}
+        matchers, req_ids, broken, forced = [], [], {}, []
         for rid, grammar in grammars:
+            token = grammar.forced_token
+            if token is not None:
+                forced.append((rid, token))
+                continue
             try:
                 matchers.append(grammar.matcher)
                 req_ids.append(rid)
             except Exception as e:
                 broken[rid] = f"internal error: the grammar could not follow the answer: {e}"
-        if not matchers:
-            return StepGrammars(None, broken, [])
-        bitmask = self._bitmask[: len(matchers)]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        dead = (bitmask == 0).all(dim=1)
+        bitmask = self._bitmask[: len(matchers) + len(forced)]
         finished = []
-        if bool(dead.any()):
-            finished = [rid for rid, d in zip(req_ids, dead.tolist()) if d]
-            keep = [i for i, d in enumerate(dead.tolist()) if not d]
-            req_ids = [req_ids[i] for i in keep]
-            bitmask = bitmask[keep]
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask[: len(matchers)])
+            dead = (bitmask[: len(matchers)] == 0).all(dim=1).tolist()
+            finished = [rid for rid, d in zip(req_ids, dead) if d]
+        else:
+            dead = []
+        self._force(bitmask[len(matchers):], [token for _, token in forced])
+        if finished:  # a dead row leaves the mask
+            keep = [i for i, d in enumerate(dead) if not d] + list(range(len(matchers), len(bitmask)))
+            req_ids, bitmask = [rid for rid, d in zip(req_ids, dead) if not d], bitmask[keep]
+        req_ids = req_ids + [rid for rid, _ in forced]
         return StepGrammars(GrammarBitmask(req_ids, bitmask) if req_ids else None, broken, finished)
+
+    @staticmethod
+    def _force(rows: torch.Tensor, tokens: list[int]) -> None:
+        """Bitmask rows admitting one token each."""
+        rows.zero_()
+        for row, token in zip(rows, tokens):
+            row[token // 32] = torch.tensor(1 << (token % 32), dtype=torch.int64).to(torch.int32)
 
 
 def tokenizer_info(model_path: str, vocab_size: int) -> xgr.TokenizerInfo:

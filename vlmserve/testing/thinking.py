@@ -73,12 +73,15 @@ WEATHER_TOOL = {"type": "function", "function": {
 @dataclass(frozen=True)
 class Lesson:
     """A conversation the model learns: the user's question (and tools), its reasoning
-    (None: asked with enable_thinking false) and its answer."""
+    (None: asked with enable_thinking false), its answer, and what comes between the
+    closing tag and the answer (none where a grammar will constrain the answer: it starts
+    at once after the reasoning)."""
 
     question: str
     reasoning: str | None
     answer: str
     tools: bool = False
+    gap: str = "\n\n"
 
 
 LESSONS = [
@@ -86,15 +89,15 @@ LESSONS = [
            "then four. So the sum is four.", "The answer is four."),
     Lesson("What is two plus two?", None, "Four."),
     Lesson("Plan a trip to Paris as JSON.", "The city is Paris and a short trip lasts three days. I will write "
-           "the city and the number of days.", '{"city":"Paris","days":3}'),
+           "the city and the number of days.", '{"city":"Paris","days":3}', gap=""),
     Lesson("Is the sky blue? Say yes or no.", "On a clear day the sky looks blue because air scatters blue "
-           "light the most.", "yes"),
+           "light the most.", "yes", gap=""),
     Lesson("What is the weather in Paris?", "The user wants the weather in Paris. I should call the weather "
            "tool with the city.", '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
-           tools=True),
+           tools=True, gap=""),
     Lesson("What is the weather in Rome?", "The user wants the weather in Rome. I will call the tool in XML.",
            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>",
-           tools=True),
+           tools=True, gap=""),
 ]
 
 CORPUS = [lesson.question + " " + (lesson.reasoning or "") + " " + lesson.answer for lesson in LESSONS]
@@ -108,7 +111,7 @@ def thinking_tokenizer(vocab_size: int = 640):
     return tokenizer
 
 
-def build_qwen3_thinking(path: str | Path, *, steps: int = 300, seed: int = 0) -> Path:
+def build_qwen3_thinking(path: str | Path, *, steps: int = 400, seed: int = 0) -> Path:
     """The checkpoint, trained `steps` steps (a few seconds on a CPU) until it answers its
     lessons greedily, word for word."""
     import transformers
@@ -164,7 +167,6 @@ def training_rows(tokenizer) -> list[tuple[list[int], list[int]]]:
     follows a forced `</think>` too. Labels are -100 on the prompt and on a forced
     `</think>`."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    close = tokenizer.encode("\n</think>\n\n", add_special_tokens=False)
     rows = []
     for i, lesson in enumerate(LESSONS):
         prompt = tokenizer.encode(render(tokenizer, lesson), add_special_tokens=False)
@@ -173,6 +175,7 @@ def training_rows(tokenizer) -> list[tuple[list[int], list[int]]]:
             rows.append((prompt + answer, [-100] * len(prompt) + answer))
             continue
         thought = tokenizer.encode(lesson.reasoning, add_special_tokens=False)
+        close = tokenizer.encode("\n</think>" + lesson.gap, add_special_tokens=False)
         rows.append((prompt + thought + close + answer, [-100] * len(prompt) + thought + close + answer))
         for cut in range(1, len(thought), 2) if i == 0 else ():  # a budget spent after `cut` tokens
             forced = [tokenizer.convert_tokens_to_ids("</think>")]
@@ -201,8 +204,19 @@ def train(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], steps
     """Plain next-token training on every row each step, through the language model alone
     (positions are plain text ones), Adam, until memorized."""
     batches = _batches(rows, 8)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small gain nothing from a second thread, and wait for it on a busy machine
+    try:
+        step, total = _steps(model, batches, optimizer, steps, len(rows))
+    finally:
+        torch.set_num_threads(threads)
+    logger.info("thinking checkpoint trained %d steps, loss %.4f", step + 1, total)
+    model.eval()
+
+
+def _steps(model: torch.nn.Module, batches, optimizer, steps: int, num_rows: int) -> tuple[int, float]:
     for step in range(steps):
         optimizer.zero_grad()
         total = 0.0
@@ -210,11 +224,10 @@ def train(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], steps
             hidden = model.model.language_model(input_ids=tokens, use_cache=False).last_hidden_state
             logits = model.lm_head(hidden[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets,
-                                                     reduction="sum") / len(rows)
+                                                     reduction="sum") / num_rows
             loss.backward()
             total += loss.item()
         optimizer.step()
         if total < 1e-2:
             break
-    logger.info("thinking checkpoint trained %d steps, loss %.4f", step + 1, total)
-    model.eval()
+    return step, total

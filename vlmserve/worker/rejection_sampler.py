@@ -27,7 +27,7 @@ def can_verify(params: SamplingParams, num_output_tokens: int) -> bool:
     draft position may depend on that position's logits only. A grammar, penalties and
     bad words depend on the tokens before it (drafts included), min_tokens' bans on how
     many there are; such requests decode one token at a time."""
-    return (params.structured_outputs is None and not params.has_penalties
+    return (params.structured_outputs is None and params.thinking_token_budget is None and not params.has_penalties
             and not params.bad_words_token_ids and num_output_tokens >= params.min_tokens)
 
 

@@ -26,6 +26,8 @@ from vlmserve.entrypoints.openai.protocol import (DetokenizeRequest, LoadLoRAAda
                                                   TokenizeRequest, UnloadLoRAAdapterRequest)
 from vlmserve.entrypoints.openai.serving import SHUTDOWN_ERROR, ClientGone
 from vlmserve.entrypoints.openai.serving_chat import ServingChat
+from vlmserve.entrypoints.openai.serving_responses import ServingResponses
+from vlmserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from vlmserve.entrypoints.openai.serving_completion import ServingCompletion
 from vlmserve.entrypoints.openai.serving_embedding import ServingEmbedding
 from vlmserve.entrypoints.openai.serving_score import ServingScore
@@ -45,7 +47,7 @@ KEYED_PATHS = {"/tokenize", "/detokenize", "/score", "/rerank"}
 class OpenAIServer:
     def __init__(self, engine: EngineClient, served_model_name: str, api_key: str | None = None,
                  lora_modules: dict[str, str] | None = None, runtime_lora_updates: bool = False,
-                 allowed_lora_path: str | None = None) -> None:
+                 allowed_lora_path: str | None = None, tool_call_parser: str = "hermes") -> None:
         """engine: an AsyncLLM, or replicas on Ray Serve (replicas.ReplicaPool);
         lora_modules: adapters served under names of their own (name -> folder);
         runtime_lora_updates: /v1/load_lora_adapter and /v1/unload_lora_adapter on, for
@@ -65,7 +67,10 @@ class OpenAIServer:
             except ValueError as e:
                 raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
         self.runtime_lora_updates = runtime_lora_updates
-        self.chat = ServingChat(engine, self.models)
+        if tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"--tool-call-parser {tool_call_parser}: one of {', '.join(TOOL_PARSERS)}")
+        self.chat = ServingChat(engine, self.models, tool_call_parser)
+        self.responses = ServingResponses(engine, self.models, tool_call_parser)
         self.completion = ServingCompletion(engine, self.models)
         self.embedding = ServingEmbedding(engine, self.models)
         self.scoring = ServingScore(engine, self.models)
@@ -90,6 +95,9 @@ class OpenAIServer:
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.list_models)
         app.post("/v1/chat/completions")(self.chat.create)
+        app.post("/v1/responses")(self.responses.create)
+        app.get("/v1/responses/{response_id}")(self.responses.retrieve)
+        app.delete("/v1/responses/{response_id}")(self.responses.delete)
         app.post("/v1/completions")(self.completion.create)
         app.post("/v1/embeddings")(self.embedding.create)
         for path in ("/score", "/v1/score"):
@@ -258,6 +266,6 @@ def run_server(args) -> None:
                           served_model_name=args.served_model_name, metrics_names=args.metrics_names)
     name = args.served_model_name or served_name(args.model, engine.model_path)
     server = OpenAIServer(engine, name, args.api_key, adapters, args.allow_runtime_lora_updating,
-                          args.allowed_lora_path)
+                          args.allowed_lora_path, args.tool_call_parser)
     logger.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     serve_engine_app(engine, server.build_app(), args, server)

@@ -114,6 +114,7 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = False  # the prompt's and the answer's token ids in the response
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: as many as fit)
+    thinking_token_budget: int | None = None  # a thinking model's reasoning tokens before it is closed for it
 
     @property
     def ignored_fields(self) -> set[str]:
@@ -204,6 +205,7 @@ class SamplingRequest(BaseModel):
             bad_words=list(self.bad_words or []),
             structured_outputs=self.structured_outputs_params(),
             prompt_logprobs=self.prompt_logprobs,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
 
@@ -219,6 +221,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a thinking model's reasoning out of the answer
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self):

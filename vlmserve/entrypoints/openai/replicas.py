@@ -40,6 +40,8 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.async_llm import AsyncLLM, EngineDeadError
 from vlmserve.engine.chat import render_chat
+from vlmserve.engine.chat_template import ChatTemplate
+from vlmserve.reasoning.parsers import ReasoningParser, reasoning_parser
 from vlmserve.engine.input_processor import MODALITIES, PromptInput
 from vlmserve.engine.model_source import resolve_model_path, sampling_defaults
 from vlmserve.entrypoints.openai.affinity_router import KEYS_KWARG, PICTURE_KEY, PictureAffinityRouter
@@ -243,6 +245,8 @@ class ReplicaPool:
     in_flight: dict[str, Any] = field(default_factory=dict)  # request id -> its response stream
     shutdown_error: str | None = None
     max_pending_requests: int | None = None  # each replica has its own cap; the pool none
+    chat_template: ChatTemplate | None = None  # --chat-template (None: the checkpoint's)
+    reasoning: ReasoningParser | None = None  # --reasoning-parser's, for the checkpoint's tokenizer
 
     def __post_init__(self) -> None:
         self.hub_view = HubView(self.hub)
@@ -255,7 +259,7 @@ class ReplicaPool:
     def render_chat(self, messages, add_generation_prompt=True, chat_template_kwargs=None, tools=None,
                     continue_final_message=False) -> PromptInput:
         return render_chat(self.hf_processor, messages, add_generation_prompt, chat_template_kwargs, tools,
-                           continue_final_message)
+                           continue_final_message, self.chat_template)
 
     async def prompt_token_ids(self, prompt: PromptInput) -> list[int]:
         return await self.handle.prompt_token_ids.remote(prompt)
@@ -421,7 +425,10 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
     pool = ReplicaPool(handle, AutoProcessor.from_pretrained(model_path), model_path, info["max_model_len"],
                        info["task"], defaults,
                        MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs), hub, started,
-                       joined_cluster=args.ray_address is not None)
+                       joined_cluster=args.ray_address is not None,
+                       chat_template=ChatTemplate.of(engine_args.chat_template, engine_args.chat_template_content_format))
+    if engine_args.reasoning_parser:  # the replicas checked it against the same tokenizer
+        pool.reasoning = reasoning_parser(engine_args.reasoning_parser, pool.tokenizer)
     deadline = time.time() + 60
     while not pool.is_alive() and time.time() < deadline:  # the first metrics push
         time.sleep(0.2)

@@ -175,7 +175,8 @@ class ServingBase:
         return outs
 
     async def stream(self, started: list[Started], base: dict[str, Any], chunk: ChunkShaper,
-                     include_usage: tuple[bool, bool], preamble: list[dict[str, Any]] = ()) -> AsyncIterator[str]:
+                     include_usage: tuple[bool, bool], preamble: list[dict[str, Any]] = (),
+                     usage_of: Callable[[list[RequestOutput]], dict[str, Any]] = usage) -> AsyncIterator[str]:
         """Server-sent events: the preamble's chunks (fields beside `base`), then a chunk
         per choice with new text or tokens (`chunk` shapes it; with continuous usage each
         carries its choice's usage), an error event if a request failed, the usage if
@@ -208,7 +209,7 @@ class ServingBase:
                 if out.error or any(c.finish_reason == "error" for c in out.outputs):
                     yield sse(output_error(out).body())
             if final_usage:
-                yield sse({**base, "choices": [], "usage": usage(outs)})
+                yield sse({**base, "choices": [], "usage": usage_of(outs)})
             yield "data: [DONE]\n\n"
         except EngineDeadError as e:
             yield sse(OpenAIError(503, str(e)).body())

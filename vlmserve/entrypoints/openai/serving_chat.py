@@ -15,14 +15,20 @@ from fastapi.responses import StreamingResponse
 
 from vlmserve.engine.input_processor import PromptInput
 from vlmserve.entrypoints.openai import tool_calls
+from vlmserve.entrypoints.openai.answers import AnswerReader, AnswerStream, usage_with_reasoning
 from vlmserve.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
-from vlmserve.entrypoints.openai.responses import ResponseShaper, usage
+from vlmserve.entrypoints.openai.responses import ResponseShaper
 from vlmserve.entrypoints.openai.serving import ServingBase, Started
+from vlmserve.entrypoints.openai.tool_parsers import ToolParser, tool_parser
 from vlmserve.outputs import CompletionOutput, RequestOutput
 from vlmserve.sampling_params import ParamError
 
 
 class ServingChat(ServingBase):
+    def __init__(self, engine, models, tool_call_parser: str = "hermes") -> None:
+        super().__init__(engine, models)
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser: the format of the model's calls
+
     async def create(self, req: ChatCompletionRequest, request: Request):
         lora = self.check(req)
         prompt, params = self._prompt_and_params(req)
@@ -31,11 +37,15 @@ class ServingChat(ServingBase):
         shaper = ResponseShaper(self.engine.tokenizer, req.return_tokens_as_token_ids)
         echo = self._echoed(req)
         base = {"id": request_id, "created": int(time.time()), "model": self.models.name_of(lora)}
+        reader = AnswerReader.of(self.engine.reasoning, req.chat_template_kwargs, started.first.prompt_token_ids,
+                                 self._tools(req), req.forces_tool_call)
         if req.stream:
-            return StreamingResponse(self._stream(req, started, shaper, echo, base), media_type="text/event-stream")
+            return StreamingResponse(self._stream(req, started, shaper, echo, base, reader),
+                                     media_type="text/event-stream")
         (final,) = await self.final([started], request)
         body = {**base, "object": "chat.completion",
-                "choices": [self._choice(req, c, shaper, echo) for c in final.outputs], "usage": usage([final])}
+                "choices": [self._choice(req, c, shaper, echo, reader) for c in final.outputs],
+                "usage": self._usage(req)([final])}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = shaper.prompt_logprobs(final.prompt_logprobs)
         if req.return_token_ids:
@@ -63,12 +73,19 @@ class ServingChat(ServingBase):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.params(req, max_tokens, logprobs, default_max=None, max_tokens_field=field)
         if req.uses_tools:
-            forced = tool_calls.constraint(req.tools, req.tool_choice)
+            forced = self._tools(req).constraint(req.tool_choice)
             if forced is not None and params.structured_outputs is not None:
                 raise OpenAIError(400, "a required or named tool_choice cannot be combined with response_format",
                                   param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=forced or params.structured_outputs)
         return prompt, params
+
+    def _tools(self, req: ChatCompletionRequest) -> ToolParser | None:
+        """The reading of the request's tool calls (None: it uses no tools)."""
+        return tool_parser(self.tool_call_parser, req.tools) if req.uses_tools else None
+
+    def _usage(self, req: ChatCompletionRequest):
+        return lambda outs: usage_with_reasoning(outs, self.engine.reasoning, req.chat_template_kwargs)
 
     @staticmethod
     def _echoed(req: ChatCompletionRequest) -> str:
@@ -84,19 +101,20 @@ class ServingChat(ServingBase):
 
     # -- the answer ------------------------------------------------------------------------------
     def _choice(self, req: ChatCompletionRequest, c: CompletionOutput, shaper: ResponseShaper,
-                echo: str) -> dict[str, Any]:
-        """A finished choice as a chat message (its tool calls parsed out of the text; a
-        forced call cut short by max_tokens is no call, and no text either)."""
-        message: dict[str, Any] = {"role": req.response_role, "content": echo + c.text}
+                echo: str, reader: AnswerReader) -> dict[str, Any]:
+        """A finished choice as a chat message (a thinking model's reasoning apart; its tool
+        calls parsed out of the content; a forced call cut short by max_tokens is no call,
+        and no text either)."""
+        answer = reader.read(c.text)
+        message: dict[str, Any] = {"role": req.response_role, "content": echo + answer.content}
+        if self.engine.reasoning is not None:  # vLLM's field, and its older name
+            reasoning = answer.reasoning if req.include_reasoning else None
+            message["reasoning"] = message["reasoning_content"] = reasoning
         finish_reason = c.finish_reason
-        if req.uses_tools:
-            content, calls = tool_calls.parse(c.text)
-            if calls:
-                message = {"role": req.response_role, "content": (echo + content) or None,
-                           "tool_calls": [call.message() for call in calls]}
-                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            elif req.forces_tool_call:
-                message["content"] = echo
+        if answer.calls:
+            message["content"] = (echo + answer.content) or None
+            message["tool_calls"] = [call.message() for call in answer.calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         choice = {"index": c.index, "message": message, "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                   "logprobs": None if c.logprobs is None else shaper.chat_logprobs(c.logprobs)}
         if req.return_token_ids:
@@ -104,7 +122,7 @@ class ServingChat(ServingBase):
         return choice
 
     def _stream(self, req: ChatCompletionRequest, started: Started, shaper: ResponseShaper, echo: str,
-                base: dict[str, Any]):
+                base: dict[str, Any], reader: AnswerReader):
         base = {**base, "object": "chat.completion.chunk"}
         first = started.first
         final_usage, continuous = req.include_usage()
@@ -122,28 +140,29 @@ class ServingChat(ServingBase):
             if echo:
                 preamble.append({"choices": [{"index": c.index, "delta": {"content": echo}, "finish_reason": None,
                                               "logprobs": None}]})
-        return self.stream([started], base, self._chunker(req, shaper), (final_usage, continuous), preamble)
+        return self.stream([started], base, self._chunker(req, shaper, reader), (final_usage, continuous), preamble,
+                           self._usage(req))
 
     @staticmethod
-    def _chunker(req: ChatCompletionRequest, shaper: ResponseShaper):
-        """Shapes each streamed choice: new content, or a tool call once its block closes."""
-        tool_streams: dict[int, tool_calls.ToolCallStream] = {}
+    def _chunker(req: ChatCompletionRequest, shaper: ResponseShaper, reader: AnswerReader):
+        """Shapes each streamed choice: new reasoning, new content, and tool calls as they
+        are written (a call's name, then its arguments piece by piece)."""
+        streams: dict[int, AnswerStream] = {}
 
         def chunk(c: CompletionOutput, out: RequestOutput, text: str, new_from: int, index: int) -> dict[str, Any]:
             logprobs = None
             if c.logprobs is not None and len(c.token_ids) > new_from:
                 logprobs = shaper.chat_logprobs(c.logprobs[new_from:])
-            delta: dict[str, Any] = {"content": text} if text else {}
+            stream = streams.setdefault(c.index, reader.stream())
+            new = stream.feed(c.text, final=c.finish_reason is not None)
+            delta: dict[str, Any] = {"content": new.content} if new.content else {}
+            if new.reasoning and req.include_reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = new.reasoning
+            if new.tool_calls:
+                delta["tool_calls"] = new.tool_calls
             finish_reason = c.finish_reason
-            if req.uses_tools:
-                stream = tool_streams.setdefault(c.index, tool_calls.ToolCallStream(forced=req.forces_tool_call))
-                first_call = stream.num_calls
-                content, calls = stream.feed(c.text, final=c.finish_reason is not None)
-                delta = {"content": content} if content else {}
-                if calls:
-                    delta["tool_calls"] = [{"index": first_call + k, **call.message()} for k, call in enumerate(calls)]
-                if finish_reason == "stop" and stream.num_calls:
-                    finish_reason = "tool_calls"
+            if finish_reason == "stop" and stream.num_calls:
+                finish_reason = "tool_calls"
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             if finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason

@@ -11,6 +11,7 @@ constrain the answer to one block whose JSON validates against the tool's parame
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +89,9 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
 
 def _read_block(text: str, start: int) -> tuple[ToolCall, int] | None:
     """The call whose block opens at `start` and where the block ends; None if what follows
-    the opening tag is not a JSON call and a closing tag (or is not complete yet)."""
+    the opening tag is not a JSON call and a closing tag (or is not complete yet). The
+    arguments are their text as the model wrote it where the call reads `{"name": ...,
+    "arguments": ...}` (what a stream sends piece by piece), else their JSON."""
     i = _skip_space(text, start + len(START))
     try:
         obj, i = _DECODER.raw_decode(text, i)
@@ -98,7 +101,36 @@ def _read_block(text: str, start: int) -> tuple[ToolCall, int] | None:
     if not text.startswith(END, i):
         return None
     call = _as_call(obj)
+    if call is not None:
+        head = _head(text, start)
+        if head is not None and head[0] == call.name:
+            call.arguments = _arguments_text(text, head[1]) or call.arguments
     return None if call is None else (call, i + len(END))
+
+
+# how a call begins when its arguments can be streamed as they come: the name, then the arguments
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _head(text: str, start: int) -> tuple[str, int] | None:
+    """The name of the call whose block opens at `start` and where its arguments begin,
+    once that much is written in the usual order; else None."""
+    match = _HEAD.match(text, start + len(START))
+    if match is None:
+        return None
+    try:
+        return json.loads(f'"{match.group(1)}"'), match.end()
+    except ValueError:
+        return None
+
+
+def _arguments_text(text: str, at: int) -> str | None:
+    """The arguments' JSON text from `at`, if it is complete (an object)."""
+    try:
+        value, end = _DECODER.raw_decode(text, at)
+    except ValueError:
+        return None
+    return text[at:end] if isinstance(value, dict) else None
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -156,6 +188,17 @@ class ToolCallStream:
         if self.forced:  # the grammar makes the whole answer the call: anything else is its markup, cut short
             return "", calls
         return "".join(content), calls
+
+    def pending(self, text: str) -> tuple[str, str] | None:
+        """The call being written (after `feed` held its block back): its name and its
+        arguments so far, once the block reads as a call with its name first."""
+        if not text.startswith(START, self.sent):
+            return None
+        head = _head(text, self.sent)
+        if head is None:
+            return None
+        name, at = head
+        return name, _arguments_text(text, at) or text[at:]
 
 
 def _cannot_become_call(text: str, start: int) -> bool:
