@@ -91,11 +91,13 @@ def quantizable(weight: torch.Tensor, method: str) -> bool:
     return method == "int8" or weight.shape[1] % INT4_GROUP == 0
 
 
-def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP,
+             row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a [out, in] weight (computed in fp32); int4 in
     groups of `group` inputs. Rows are quantized a block at a time into preallocated
     outputs, so that the fp32 temporaries stay small (a 151,936-row head in fp32 would
-    be over a gigabyte)."""
+    be over a gigabyte). row_absmax: int8's per-row maxima where the weight is part of
+    wider rows (a rank's columns), so that its scales are the whole rows'."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
     shape, dtype = (weight.shape[0], weight.shape[1]), weight.dtype
@@ -105,7 +107,8 @@ def quantize(weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> Quan
         scales = torch.empty(shape[0], dtype=dtype)
         for start in range(0, shape[0], rows):
             w = weight[start : start + rows].detach().float()
-            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+            top = w.abs().amax(dim=1) if row_absmax is None else row_absmax[start : start + rows]
+            scale = (top / 127).clamp(min=1e-12)
             data[start : start + rows] = torch.round(w / scale[:, None]).clamp(-127, 127)
             scales[start : start + rows] = scale
         return QuantizedWeight(method, shape, dtype, data, scales)

@@ -137,7 +137,10 @@ class Linear(nn.Linear):
         dtype); False where the layer's shape doesn't suit the method."""
         if not quantizable(self.weight, method):
             return False
-        self._set_quantized(quantize(self.weight, method))
+        row_absmax = None
+        if self.sum_over is not None and method == "int8":  # a rank's columns: the whole rows' scales
+            row_absmax = self.sum_over.max_over_ranks(self.weight.detach().float().abs().amax(dim=1))
+        self._set_quantized(quantize(self.weight, method, row_absmax=row_absmax))
         return True
 
     def add_quantized_shard(self, part: QuantizedWeight, index: int = 0) -> None:

@@ -13,6 +13,7 @@ from the memory-mapped tensor, so no rank reads the whole checkpoint into memory
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from vlmserve.distributed import TensorParallel
 from vlmserve.errors import ConfigError
+from vlmserve.kernels.quantized_linear import QuantizedWeight
 
 
 def units_of_rank(units: int, tp: TensorParallel, what: str = "heads") -> tuple[int, int]:
@@ -46,14 +48,40 @@ class RankPart:
         return sum(units_of_rank(units, self.tp)[1] * size for units, size in self.blocks)
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        whole = sum(units * size for units, size in self.blocks)
+        if whole != tensor.shape[self.dim]:
+            raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)}: expected {whole} along dim {self.dim}")
+        return self._narrow(tensor, self.dim, 1)
+
+    def _narrow(self, tensor: torch.Tensor, dim: int, per: int) -> torch.Tensor:
+        """The rank's part of tensor along dim, where one element there stands for `per`
+        of the weight's (packed int4 values, a scale's group); ValueError where a part
+        would cut an element."""
         pieces, start = [], 0
         for units, size in self.blocks:
             first, count = units_of_rank(units, self.tp)
-            pieces.append(tensor.narrow(self.dim, start + first * size, count * size))
+            offset, length = start + first * size, count * size
+            if offset % per or length % per:
+                raise ValueError(f"a rank's part ({length} at {offset}) does not hold whole groups of {per}")
+            pieces.append(tensor.narrow(dim, offset // per, length // per))
             start += units * size
-        if start != tensor.shape[self.dim]:
-            raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)}: expected {start} along dim {self.dim}")
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def take_quantized(self, qw: QuantizedWeight) -> QuantizedWeight:
+        """The rank's rows or columns of a weight quantized in the checkpoint, kept quantized:
+        its values, and its scales (and zeros) where they vary along the split dimension."""
+        if qw.layout != "plain":
+            raise ValueError(f"a {qw.layout} layout is not split")
+        data = self._narrow(qw.data, self.dim, 2 if qw.method == "int4" and self.dim == 1 else 1)
+
+        def scales(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or (self.dim == 1 and t.dim() == 1):  # per-row scales hold for a row's columns
+                return t
+            return self._narrow(t, self.dim, qw.group if self.dim == 1 else 1)
+
+        shape = list(qw.shape)
+        shape[self.dim] = self.length()
+        return dataclasses.replace(qw, shape=tuple(shape), data=data, scales=scales(qw.scales), zeros=scales(qw.zeros))
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,9 @@ class VocabPart:
             return part
         return torch.cat([part, part.new_zeros(self.rows - part.shape[0], *part.shape[1:])])
 
+    def take_quantized(self, qw: QuantizedWeight) -> QuantizedWeight:
+        raise ValueError("a quantized vocabulary is split in the model's dtype")
+
 
 @dataclass(frozen=True)
 class FirstRankOnly:
@@ -90,6 +121,9 @@ class FirstRankOnly:
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+
+    def take_quantized(self, qw: QuantizedWeight) -> QuantizedWeight:
+        raise ValueError("a bias is not quantized")
 
 
 def set_part(module: nn.Module, leaf: str, part, shape: tuple[int, ...], index: int | None = None) -> None:

@@ -150,7 +150,10 @@ class WeightLoader:
         if part is None:
             return tensor
         if isinstance(tensor, QuantizedWeight):
-            tensor = dequantize(tensor)  # published quantized formats are split in the model's dtype
+            try:
+                return part.take_quantized(tensor)  # kept quantized
+            except ValueError:  # a part that cuts the format's groups: split in the model's dtype
+                tensor = dequantize(tensor)
         return part.take(tensor)
 
     def _mark_loaded(self, name: str) -> None:

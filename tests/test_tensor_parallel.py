@@ -39,19 +39,21 @@ def assert_same(one, two, atol=1e-4):
 
 
 def runs(path, hf, settings, repeat=False, **engine):
-    """Every setting's outputs with one rank and with two (and once more: prefix hits)."""
+    """Every setting's outputs with one rank and with two (and once more: prefix hits);
+    the pictures rank 0 encoded in all."""
     specs, prompts, params = mixed_requests(hf)
-    results = {}
+    results, encoded = {}, {}
     for tp in (1, 2):
-        results[tp] = []
+        results[tp], encoded[tp] = [], 0
         for setting in settings:
             llm = LLM(path, dtype="float32", tensor_parallel_size=tp, **setting, **engine)
             results[tp].append(outputs_of(llm, prompts, params))
             if repeat:
                 results[tp].append(outputs_of(llm, prompts, params))
             assert not any(llm.engine.stats().blocks_in_use.values())
+            encoded[tp] += llm.engine.engine_core.runner.encoder_runs
             llm.engine.shutdown()
-    return results
+    return results, encoded
 
 
 @pytest.mark.parametrize("settings", [
@@ -60,9 +62,10 @@ def runs(path, hf, settings, repeat=False, **engine):
     {"num_kv_blocks": 256, "max_num_batched_tokens": 40},  # chunked prefill through the pictures
 ], ids=["roomy", "preempting", "chunked"])
 def test_qwen2_5_vl_on_two_ranks_gives_one_ranks_outputs(qwen25_path, hf_qwen25, settings):
-    results = runs(qwen25_path, hf_qwen25, [settings], repeat=True)
+    results, encoded = runs(qwen25_path, hf_qwen25, [settings], repeat=True)
     for one, two in zip(results[1], results[2]):
         assert_same(one, two)
+    assert 0 < encoded[2] < encoded[1]  # each rank encodes a share of the pictures (--mm-encoder-tp-mode data)
 
 
 @pytest.mark.parametrize("family,engine", [
@@ -73,7 +76,7 @@ def test_qwen2_5_vl_on_two_ranks_gives_one_ranks_outputs(qwen25_path, hf_qwen25,
 ], ids=["qwen3.5", "qwen3.5-moe", "qwen3.5-moe-expert-parallel", "qwen3-vl-moe"])
 def test_hybrid_and_moe_models_on_two_ranks(request, family, engine):
     path, hf = request.getfixturevalue(f"{family}_path"), request.getfixturevalue(f"hf_{family}")
-    results = runs(path, hf, [{"num_kv_blocks": 256}, {"num_kv_blocks": 40, "max_num_seqs": 6}], **engine)
+    results, _ = runs(path, hf, [{"num_kv_blocks": 256}, {"num_kv_blocks": 40, "max_num_seqs": 6}], **engine)
     for one, two in zip(results[1], results[2]):
         assert_same(one, two)
 
@@ -210,3 +213,70 @@ def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path, tmp_pa
             if server.proc.poll() is None:
                 server.stop()
     assert all(answers[1, i] == answers[2, i] for i in range(len(messages)))
+
+
+def test_ranks_as_ray_actors(qwen25_path, hf_qwen25):
+    """--distributed-executor-backend ray on a local Ray cluster: one rank's tokens; the
+    actor killed, the engine ends with an error naming its rank."""
+    import psutil
+    import ray
+
+    specs, prompts, params = mixed_requests(hf_qwen25)
+    one = outputs_of(LLM(qwen25_path, dtype="float32", num_kv_blocks=256), prompts, params)
+    try:
+        llm = LLM(qwen25_path, dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+                  distributed_executor_backend="ray")
+        assert_same(one, outputs_of(llm, prompts, params))
+        (actor,) = [p for p in psutil.process_iter(["cmdline"]) if "RayRank" in " ".join(p.info["cmdline"] or [])]
+        actor.kill()
+        actor.wait(10)
+        with pytest.raises(RankFailure, match="rank 1"):
+            llm.generate(prompts[:2], params[:2])
+    finally:
+        ray.shutdown()
+
+
+def test_a_rank_that_cannot_start_fails_the_start(qwen25_path, tmp_path):
+    """A script without the `if __name__ == "__main__":` guard that spawned processes need:
+    rank 1 dies importing it, and rank 0 says so instead of waiting for it."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from vlmserve import LLM\nLLM({qwen25_path!r}, tensor_parallel_size=2, num_kv_blocks=64)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "rank 1 died starting" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoints(tmp_path_factory):
+    """Qwen2.5-VL wide enough that each rank's columns hold whole groups of 128 (hidden 256,
+    MLP 512), and its AWQ, GPTQ, FP8 and compressed-tensors forms."""
+    from vlmserve.testing.checkpoints import build_qwen2_5_vl
+    from vlmserve.testing.quantized_checkpoints import write_awq, write_compressed_tensors, write_fp8, write_gptq
+
+    root = tmp_path_factory.mktemp("wide")
+    source = build_qwen2_5_vl(root / "source", hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                              num_kv_heads=2)
+    return {"source": source, "awq": write_awq(source, root / "awq")[0],
+            "gptq": write_gptq(source, root / "gptq", bits=4, group=64)[0],
+            "fp8": write_fp8(source, root / "fp8")[0],
+            "compressed-tensors": write_compressed_tensors(source, root / "ct", "W8A8")}
+
+
+@pytest.mark.parametrize("name,quantization", [
+    ("source", "int8"), ("source", "int4"), ("awq", None), ("gptq", None), ("fp8", None), ("compressed-tensors", None),
+])
+def test_quantized_layers_split_as_one_rank_runs_them(wide_checkpoints, hf_qwen25, name, quantization):
+    """--quantization int8/int4 (row-parallel layers take their scales from the whole rows)
+    and the published formats (split while quantized): two ranks give one rank's tokens, and
+    every language layer stays quantized."""
+    from vlmserve.models.layers import Linear
+
+    specs, prompts, params = mixed_requests(hf_qwen25)  # the same tokenizer and processor
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(str(wide_checkpoints[name]), dtype="float32", num_kv_blocks=256, tensor_parallel_size=tp,
+                  quantization=quantization)
+        tokens[tp] = [o.outputs[0].token_ids for o in run_together(llm, prompts, params)]
+        model = llm.engine.engine_core.runner.model if tp == 1 else llm.engine.engine_core.runner.runner.model
+        assert all(m.quantized is not None for m in model.model.language_model.modules() if isinstance(m, Linear))
+        llm.engine.shutdown()
+    assert tokens[1] == tokens[2]

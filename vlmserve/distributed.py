@@ -33,14 +33,22 @@ class TensorParallel:
             self.group.allreduce([x]).wait()
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' x side by side along the last dimension, rank 0's first."""
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of the ranks' x (in place)."""
+        if self.size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            self.group.allreduce([x], options).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' x (of one shape) side by side along dim, rank 0's first."""
         if self.size == 1:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.group.allgather([parts], [x]).wait()
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
 
 SINGLE = TensorParallel()

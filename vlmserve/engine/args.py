@@ -136,6 +136,9 @@ class EngineArgs:
     # where ranks 1..N-1 run: mp (processes of this machine) or ray (actors anywhere in the
     # Ray cluster RAY_ADDRESS names, else a local one)
     distributed_executor_backend: str = "mp"
+    # the vision tower under tensor parallelism: data (every rank holds it whole and encodes a
+    # share of each step's media, the outputs gathered); its weights are not split
+    mm_encoder_tp_mode: str = "data"
 
     def overlaps_steps(self) -> bool:
         """Whether steps are scheduled asynchronously (async_scheduling, or its default)."""
@@ -196,6 +199,9 @@ class EngineArgs:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: at least 1")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ConfigError(f"--distributed-executor-backend {self.distributed_executor_backend}: mp or ray")
+        if self.mm_encoder_tp_mode != "data":
+            raise ConfigError(f"--mm-encoder-tp-mode {self.mm_encoder_tp_mode}: data (each rank encodes a share of "
+                              f"the media with the whole tower) is the mode vlmserve has")
         if self.tensor_parallel_size > 1 and self.enable_lora:
             raise ConfigError("--enable-lora with --tensor-parallel-size over 1: adapters are not split across ranks "
                               "yet; serve adapters with one rank (replicas for more traffic)")

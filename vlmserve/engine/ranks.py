@@ -22,6 +22,7 @@ import logging
 import queue
 import socket
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,13 @@ from vlmserve.engine.rank_worker import RankJob, RayRank, run_rank
 from vlmserve.engine.runner_setup import RunnerPlan, rank_device
 from vlmserve.errors import RankFailure
 from vlmserve.structured_output.manager import GrammarBitmask
+from vlmserve.worker.device_queue import run_into
 from vlmserve.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 10.0  # seconds a rank has to stop before it is killed
+JOIN_POLL = 0.5  # seconds between checks on the ranks' lives while they join
 
 
 def free_address() -> str:
@@ -59,6 +62,7 @@ class RankHandle:
 
     rank: int
     process: Any = None  # multiprocessing.Process
+    actor: Any = None  # a Ray actor
     done: Any = None  # the Ray actor's run(): an ObjectRef that resolves when it ends
 
     def exit_status(self) -> str | None:
@@ -87,7 +91,7 @@ class RankHandle:
         import ray
 
         if not ray.wait([self.done], timeout=wait)[0]:
-            ray.cancel(self.done, force=True)
+            ray.kill(self.actor)
 
 
 class Ranks:
@@ -119,7 +123,7 @@ class Ranks:
         logger.info("tensor parallel: %d ranks (%s, %s), %d threads each", size, args.distributed_executor_backend,
                     backend, threads)
         try:
-            return cls(*join_group(backend, address, 0, size), others)
+            return cls(*_join_while_alive(backend, address, size, others), others)
         except BaseException:
             for other in others:
                 other.stop(wait=0)
@@ -232,6 +236,23 @@ class ParallelPendingStep:
             raise self.ranks.failure(e) from e
 
 
+def _join_while_alive(backend: str, address: str, size: int, others: list[RankHandle]) -> tuple[TensorParallel, Channel]:
+    """Joins the group as rank 0, on a thread of its own, while checking that the other
+    ranks live: one that dies starting (its import, its device) fails the start at once
+    instead of leaving rank 0 waiting for it."""
+    joined: Future = Future()
+    threading.Thread(target=lambda: run_into(joined, lambda: join_group(backend, address, 0, size)),
+                     name="vlmserve-rank-join", daemon=True).start()
+    while True:
+        try:
+            return joined.result(timeout=JOIN_POLL)
+        except TimeoutError:
+            for other in others:
+                status = other.exit_status()
+                if status is not None:
+                    raise RankFailure(f"tensor-parallel rank {other.rank} died starting ({status}); its log says why")
+
+
 def _start_process(job: RankJob) -> RankHandle:
     import multiprocessing
 
@@ -260,4 +281,4 @@ def _start_ray(job: RankJob) -> RankHandle:
 
     gpus = 1 if torch.device(job.args.device).type == "cuda" else 0
     actor = ray.remote(num_cpus=job.threads, num_gpus=gpus)(RayRank).remote()
-    return RankHandle(job.rank, done=actor.run.remote(job))
+    return RankHandle(job.rank, actor=actor, done=actor.run.remote(job))

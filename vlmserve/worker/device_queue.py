@@ -37,7 +37,7 @@ class DeviceQueue:
         """fn's result, as a future: done at once unless threaded."""
         future: Future[T] = Future()
         if not self.threaded:
-            _run_into(future, fn)
+            run_into(future, fn)
         else:
             self._work.put((future, fn))
         return future
@@ -56,10 +56,11 @@ class DeviceQueue:
             item = self._work.get()
             if item is None:
                 return
-            _run_into(*item)
+            run_into(*item)
 
 
-def _run_into(future: Future, fn: Callable[[], Any]) -> None:
+def run_into(future: Future, fn: Callable[[], Any]) -> None:
+    """fn's result (or its error) into future."""
     if not future.set_running_or_notify_cancel():
         return
     try:
