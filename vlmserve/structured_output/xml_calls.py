@@ -38,9 +38,10 @@ def xml_call_grammar(schema: dict[str, Any], json_grammar, characters_only) -> x
 
 def _call_rules(i: int, call: dict[str, Any], json_grammar) -> list[str]:
     try:
-        name = call["properties"]["name"]["const"]
+        named = call["properties"]["name"]  # a const, or the one-value enum the schema checks make of it
+        name = named["const"] if "const" in named else named["enum"][0]
         parameters = call["properties"]["arguments"]
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, IndexError):
         raise ParamError("tools", "a tool call's schema needs a name and arguments") from None
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
