@@ -47,8 +47,12 @@ class RankPart:
     def length(self) -> int:
         return sum(units_of_rank(units, self.tp)[1] * size for units, size in self.blocks)
 
+    def whole(self) -> int:
+        """The checkpoint tensor's length along dim (every rank's parts together)."""
+        return sum(units * size for units, size in self.blocks)
+
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        whole = sum(units * size for units, size in self.blocks)
+        whole = self.whole()
         if whole != tensor.shape[self.dim]:
             raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)}: expected {whole} along dim {self.dim}")
         return self._narrow(tensor, self.dim, 1)
@@ -161,6 +165,14 @@ def split_input(linear: nn.Module, tp: TensorParallel, units: int, unit_size: in
         set_part(linear, "bias", FirstRankOnly(tp), (linear.out_features,))
     linear.in_features = part.length()
     linear.sum_over = tp
+
+
+def weight_part(linear: nn.Module, shard: int = 0) -> RankPart | None:
+    """The rank's part of a split linear layer's weight (of projection `shard` of a fused
+    one); None where the layer is whole."""
+    parts = getattr(linear, "rank_parts", {})
+    part = parts.get(("weight", shard)) or parts.get(("weight", None))
+    return part if isinstance(part, RankPart) else None
 
 
 def split_vocab(module: nn.Module, tp: TensorParallel) -> VocabPart:

@@ -188,6 +188,14 @@ def test_xml_values_take_their_schema_types_and_odd_blocks_stay_text():
             "<parameter=s>\n12\n</parameter>\n</function>\n</tool_call>")
     _, calls = parser.parse(text)
     assert json.loads(calls[0].arguments) == {"n": 3, "x": 2.5, "ok": True, "tags": ["a"], "s": "12"}
+    # an optional string (pydantic's anyOf [string, null]) is written as JSON, as the forced
+    # call's grammar writes it, and read back as JSON
+    optional = Tool(type="function", function={"name": "g", "parameters": {"type": "object", "properties": {
+        "city": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}})
+    call = "<tool_call>\n<function=g>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>"
+    for written, read in (('"Paris"', "Paris"), ("null", None)):
+        _, calls = tool_parser("qwen3_xml", [optional]).parse(call.format(written))
+        assert json.loads(calls[0].arguments) == {"city": read}
     odd = "a <tool_call>not a call</tool_call> b"
     assert parser.parse(odd) == (odd, [])
     assert stream_calls(parser, odd)[0] == odd

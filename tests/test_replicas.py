@@ -136,6 +136,8 @@ def test_the_flags_map_to_ray_serve_options(flags, expected):
     args = build_parser().parse_args(["serve", *flags])
     options = replica_options(args)
     assert options["ray_actor_options"] == {"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus}
+    split = replica_options(build_parser().parse_args(["serve", *flags, "--device", "cuda", "--tensor-parallel-size", "4"]))
+    assert split["ray_actor_options"]["num_gpus"] == 4  # a GPU for each of a replica's ranks
     assert options["request_router_config"].request_router_class.endswith("PictureAffinityRouter")
     if "num_replicas" in expected:
         assert options["num_replicas"] == 3 and "autoscaling_config" not in options

@@ -193,6 +193,10 @@ class EngineArgs:
         if self.generation_config not in ("auto", "vlmserve"):
             raise ConfigError(f"--generation-config {self.generation_config}: auto or vlmserve")
         self.check_parallel()
+        from vlmserve.reasoning.parsers import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: vlmserve has {', '.join(REASONING_PARSERS)}")
 
     def check_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -202,9 +206,6 @@ class EngineArgs:
         if self.mm_encoder_tp_mode != "data":
             raise ConfigError(f"--mm-encoder-tp-mode {self.mm_encoder_tp_mode}: data (each rank encodes a share of "
                               f"the media with the whole tower) is the mode vlmserve has")
-        if self.tensor_parallel_size > 1 and self.enable_lora:
-            raise ConfigError("--enable-lora with --tensor-parallel-size over 1: adapters are not split across ranks "
-                              "yet; serve adapters with one rank (replicas for more traffic)")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

@@ -214,7 +214,8 @@ class ParallelRunner:
         return self.submit(so, grammar).result()
 
     def load_lora(self, lora) -> None:
-        raise RankFailure("LoRA adapters are not split across ranks")  # refused with the settings
+        # rank 0 reads (and checks) it now; the others read their share at its first step
+        self.runner.load_lora(lora)
 
     def clear_encoder_cache(self) -> None:
         self.ranks.send("clear_encoder_cache")

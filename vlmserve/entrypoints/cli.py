@@ -124,6 +124,8 @@ def add_http_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="the format of the model's tool calls (vLLM's names): hermes, JSON in <tool_call> blocks "
                         "(Qwen2.5-VL, Qwen3-VL); qwen3_xml or qwen3_coder, <tool_call><function=...><parameter=...> "
                         "(Qwen3-Coder, Qwen3.5)")
+    h.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM's command lines give it: tool_choice auto is always served")
     h.add_argument("--log-level", default="INFO")
     h.add_argument("--metrics-names", choices=["vllm", "vlmserve"], default="vllm",
                    help="the names of the /metrics series vLLM also has: vLLM's (vllm:*, with model_name and engine "

@@ -61,7 +61,7 @@ def _value(prefix: str, schema: Any, json_grammar) -> tuple[str, list[str]]:
     """A parameter value's expression and the rules it needs."""
     if not isinstance(schema, dict):
         schema = {}
-    if _is_text(schema):
+    if is_text_parameter(schema):
         if isinstance(schema.get("enum"), list):
             return "(" + " | ".join(ebnf.make_literal(str(v)) for v in schema["enum"]) + ")", []
         return TEXT_VALUE, []
@@ -70,8 +70,9 @@ def _value(prefix: str, schema: Any, json_grammar) -> tuple[str, list[str]]:
     return prefix + "root", [line for line in renamed.splitlines() if line.strip()]
 
 
-def _is_text(schema: dict[str, Any]) -> bool:
-    """A string parameter: written as plain text, not as JSON."""
+def is_text_parameter(schema: dict[str, Any]) -> bool:
+    """A string parameter: written as plain text, not as JSON (anything else, an optional
+    string's anyOf among them, is written as JSON and read back as JSON)."""
     kind = schema.get("type")
     if kind == "string":
         return True

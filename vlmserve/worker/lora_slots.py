@@ -16,15 +16,29 @@ from vlmserve.lora.adapter import LoRAAdapter, LoRATarget, read_adapter
 from vlmserve.lora.request import LoRARequest
 from vlmserve.models.layers import Linear
 from vlmserve.models.lora import LoRABatch
+from vlmserve.models.tensor_parallel import weight_part
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, LoRATarget]:
-    """What an adapter of this model may adapt: checkpoint name -> shapes (the front end
-    checks adapters against it)."""
+    """What an adapter of this model may adapt: checkpoint name -> shapes, the whole
+    layer's where it is split across ranks (the front end checks adapters against it)."""
     out = {}
     for name, (layer, shard) in model.lora_layers().items():
-        out[name] = LoRATarget(layer.in_features, layer.shard_sizes_out[shard], model.is_vision_layer(name))
+        part = weight_part(layer, shard)
+        rows = part.whole() if part is not None and part.dim == 0 else layer.shard_sizes_out[shard]
+        columns = part.whole() if part is not None and part.dim == 1 else layer.in_features
+        out[name] = LoRATarget(columns, rows, model.is_vision_layer(name))
     return out
+
+
+def rank_share(layer: Linear, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's A and B as this rank applies them: a column-parallel layer keeps B's rows
+    of its outputs; a row-parallel one A's columns of its inputs (the ranks' partial
+    products are summed with the layer's own, x A^T B^T being linear in x's parts)."""
+    part = weight_part(layer, shard)
+    if part is None:
+        return a, b
+    return (a, part.take(b)) if part.dim == 0 else (part.take(a), b)
 
 
 class LoRASlots:
@@ -99,7 +113,7 @@ class LoRASlots:
             if layer not in self.adapted:
                 layer.enable_lora(self.batch, self.num_slots, self.max_rank)
                 self.adapted.add(layer)
-            layer.lora.set_shard(slot, shard, a, b)
+            layer.lora.set_shard(slot, shard, *rank_share(layer, shard, a, b))
 
     def load(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter's weights, read from its folder the first time (checked by the

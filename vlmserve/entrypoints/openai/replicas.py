@@ -383,8 +383,10 @@ def replica_options(args) -> dict[str, Any]:
         autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                         target_ongoing_requests=args.target_ongoing_requests,
                                         initial_replicas=max(args.min_replicas, min(args.replicas, args.max_replicas)))
+    # a replica split across ranks holds a GPU for each (its ranks are processes of its node)
+    gpus = max(args.replica_gpus, args.tensor_parallel_size if args.device.startswith("cuda") else 0)
     options: dict[str, Any] = dict(
-        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": gpus},
         max_ongoing_requests=args.max_pending_requests,
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
     )

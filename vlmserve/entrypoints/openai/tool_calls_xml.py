@@ -23,6 +23,7 @@ from typing import Any
 from vlmserve.entrypoints.openai.protocol import NamedToolChoice, Tool
 from vlmserve.entrypoints.openai.tool_calls import ToolCall
 from vlmserve.sampling_params import StructuredOutputsParams
+from vlmserve.structured_output.xml_calls import is_text_parameter
 
 START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -90,8 +91,10 @@ class XmlToolCalls:
     def convert(self, function: str, name: str, value: str) -> Any:
         """A parameter's text as the type its schema gives it (vLLM's conversion)."""
         schema = self.schemas.get(function, {}).get(name)
-        kind = str(schema.get("type", "string")).lower() if isinstance(schema, dict) else "string"
-        if kind in ("string", "str", "text"):
+        if not isinstance(schema, dict) or is_text_parameter(schema) or not schema:
+            return value
+        kind = str(schema.get("type", "")).lower()
+        if kind in ("str", "text"):
             return value
         if value.lower() in ("null", "none"):
             return None
