@@ -157,6 +157,9 @@ def _caption_here(args: argparse.Namespace, job: CaptionJob, engine_args, on_row
     if stop["now"]:
         captioner.abort_all()
     stats = engine.stats()
+    # stopped before the interpreter exits: a forward still running on the engine's device
+    # thread while C++'s statics are torn down aborts the process
+    engine.shutdown()
     job.summary.extra["encoder cache hits"] = stats.encoder_cache_hits
     job.summary.extra["prefix-cached tokens"] = sum(stats.prefix_cache_hits)
     return start, stop["now"]
