@@ -8,6 +8,12 @@ num_kv_heads, block_size / 2, head_dim, 2] (tokens in pairs): the pairs are what
 AVX512-BF16's dot product takes (kernels/csrc/paged_attention.cpp). A block of one head
 is contiguous in both. Token t of a request lives in slot block_table[t // block_size] *
 block_size + t % block_size: block slot // block_size, offset slot % block_size.
+
+An FP8 KV cache (`--kv-cache-dtype fp8`) has the same layouts in float8 e4m3fn, with a scale
+per layer for its keys and one for its values (vLLM's per-tensor k_scale and v_scale: 1.0
+unless the checkpoint gives them): a value is stored as x / scale, rounded to the nearest
+e4m3 value and saturated at +-448, as vLLM's cache write does, and read back as its number
+times the scale. Every implementation takes the scales and ignores them for other caches.
 """
 
 from __future__ import annotations
@@ -103,6 +109,21 @@ def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_di
             (num_blocks, num_kv_heads, block_size // 2, head_dim, 2))
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448
+
+
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as an FP8 cache stores it: rounded to nearest even, saturated (a plain cast
+    would make values past +-448 NaNs)."""
+    return (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An FP8 cache's values as the numbers they stand for, in dtype."""
+    return (x.float() * scale).to(dtype)
+
+
 def _key_view(k_cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, num_kv_heads, head_dim / 2, 2]: a token's keys by (block, offset)."""
     return k_cache.permute(0, 3, 1, 2, 4)
@@ -121,10 +142,12 @@ def read_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Te
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Stores this step's keys and values at their slots. Every token of the batch is
-    written before any is read: a request may read blocks another request of this step
-    is filling (a prefix hit on blocks cached this step)."""
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Stores this step's keys and values at their slots (an FP8 cache's quantized by its
+    scales). Every token of the batch is written before any is read: a request may read
+    blocks another request of this step is filling (a prefix hit on blocks cached this step)."""
+    if k_cache.dtype == FP8_KV_DTYPE:
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     block_size = k_cache.shape[3]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     _key_view(k_cache)[blocks, offsets] = k.view(*k.shape[:2], k.shape[2] // 2, 2)
@@ -140,13 +163,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [tokens, q_heads, d]; k, v: [tokens, kv_heads, d] (this step's). Writes k/v into
-    the cache, then attends. Returns [tokens, q_heads, d].
+    the cache, then attends. Returns [tokens, q_heads, d]. k_scale, v_scale: an FP8
+    cache's (see the module's docstring).
 
     The portable version (and the reference of the others): each sequence's visible keys
     gathered from the cache, then torch's attention with an explicit mask."""
-    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
     num_kv_heads = k.shape[1]
     block_size = k_cache.shape[3]
     window = meta.sliding_window or 1 << 62
@@ -160,6 +187,8 @@ def paged_attention(
         kv_pos = torch.arange(first, seq_len, device=q.device)
         keys, values = read_kv_cache(k_cache, v_cache, meta.block_tables[i].long()[kv_pos // block_size],
                                      kv_pos % block_size)
+        if fp8:
+            keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
         visible = (kv_pos[None, :] <= last[:, None]) & (kv_pos[None, :] > q_pos[:, None] - window)
         o = F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1).unsqueeze(0).float(),
@@ -189,23 +218,26 @@ def flash_threshold() -> int | None:
 
 @register("paged_attention", "cpu", available=cpu_extension.available)
 def paged_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                        ) -> torch.Tensor:
     """The C++ kernel (kernels/csrc/paged_attention.cpp): the cache read in place, fp32
     accumulation; on CPUs with AMX, long prompt chunks by torch's flash attention."""
-    return attend_cpu(q, k, v, k_cache, v_cache, meta, scale, flash_threshold())
+    return attend_cpu(q, k, v, k_cache, v_cache, meta, scale, flash_threshold(), k_scale, v_scale)
 
 
 def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, flash_from: int | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, flash_from: int | None, k_scale: float = 1.0,
+               v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention_cpu with the chunk length from which prompt chunks (causal, no
     window) take torch's flash attention (`_flash_prefill`) given; None: none do."""
-    cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     starts = meta.query_start_host
     long = [i for i in range(len(meta.seq_lens_host)) if starts[i + 1] - starts[i] >= flash_from] \
         if flash_from is not None and meta.sliding_window == 0 and meta.key_ends is None else []
     if not long:
         return cpu_kernels().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
-                                             meta.seq_lens, meta.sliding_window, scale, meta.key_ends)
+                                             meta.seq_lens, meta.sliding_window, scale, meta.key_ends, k_scale,
+                                             v_scale)
     out = torch.empty_like(q)
     rest = [i for i in range(len(meta.seq_lens_host)) if i not in long]
     if rest:  # the decodes and short chunks of the batch, on the paged kernel
@@ -214,16 +246,30 @@ def attend_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         query_start = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
         picked = torch.tensor(rest)
         out[rows] = cpu_kernels().paged_attention(q[rows], k_cache, v_cache, meta.block_tables[picked],
-                                                  query_start, meta.seq_lens[picked], 0, scale, None)
-    block_size = k_cache.shape[3]
+                                                  query_start, meta.seq_lens[picked], 0, scale, None, k_scale,
+                                                  v_scale)
     for i in long:
         s, e = starts[i], starts[i + 1]
-        prefix = meta.seq_lens_host[i] - (e - s)
-        blocks = meta.block_tables[i].long()
-        kv_pos = torch.arange(prefix)
-        cached = read_kv_cache(k_cache, v_cache, blocks[kv_pos // block_size], kv_pos % block_size) if prefix else None
-        out[s:e] = _flash_prefill(q[s:e], k[s:e], v[s:e], cached, scale)
+        out[s:e] = _flash_chunk(q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta.block_tables[i].long(),
+                                meta.seq_lens_host[i], scale, k_scale, v_scale)
     return out
+
+
+def _flash_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 blocks: torch.Tensor, seq_len: int, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    """_flash_prefill of one sequence's chunk (its queries, keys and values q, k, v; its
+    blocks) over its cached prefix, read from the cache; over an FP8 cache, the chunk's own
+    keys and values too, as the cache holds them (what the paged kernel attends to)."""
+    block_size, prefix = k_cache.shape[3], seq_len - q.shape[0]
+    if k_cache.dtype == FP8_KV_DTYPE:
+        kv_pos = torch.arange(seq_len)
+        keys, values = read_kv_cache(k_cache, v_cache, blocks[kv_pos // block_size], kv_pos % block_size)
+        keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
+        cached = (keys[:prefix], values[:prefix]) if prefix else None
+        return _flash_prefill(q, keys[prefix:], values[prefix:], cached, scale)
+    kv_pos = torch.arange(prefix)
+    cached = read_kv_cache(k_cache, v_cache, blocks[kv_pos // block_size], kv_pos % block_size) if prefix else None
+    return _flash_prefill(q, k, v, cached, scale)
 
 
 def _flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -45,6 +45,8 @@ class AttentionWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_eps: float | None = None
+    k_scale: float = 1.0  # an FP8 KV cache's scales (attention.py)
+    v_scale: float = 1.0
 
 
 @dataclass
@@ -94,7 +96,8 @@ def plan_decode_layers_cpu(layers: list[DecoderLayerWeights | None]) -> DecodePl
         plan.append(kernels.DecodeLayer(
             input_norm=layer.input_norm, post_attention_norm=layer.post_attention_norm, q_norm=attn.q_norm,
             k_norm=attn.k_norm, qkv=qkv, o=o, gate_up=gate_up, down=down, num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale, eps=layer.eps))
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale, eps=layer.eps,
+            k_scale=attn.k_scale, v_scale=attn.v_scale))
     return DecodePlan(plan, [layer.attention.layer_id for layer in layers]) if layers else None
 
 

@@ -4,7 +4,10 @@ the KV-cache write, and the vision tower's packed variable-length attention.
 
 Registered for the "triton" implementations (CUDA, or CPU tensors under
 TRITON_INTERPRET=1, where they are tested in fp32: the interpreter has no bf16 dot).
-Scores and the softmax run in fp32 whatever the storage dtype.
+Scores and the softmax run in fp32 whatever the storage dtype. FP8 caches (attention.py):
+read by the GPU's own conversion (compute capability 8.9 and later), written by integer
+arithmetic that rounds as torch and vLLM's cache write do (the interpreter's float-to-fp8
+conversion rounds ties away from zero and drops subnormals).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vlmserve.kernels.attention import AttentionMetadata
+from vlmserve.kernels.attention import FP8_KV_DTYPE, AttentionMetadata
 from vlmserve.kernels.registry import register
 
 BLOCK_M = 16  # query tokens per program
@@ -41,9 +44,9 @@ def _load_kv_block(k_ptr, v_ptr, dims, dim_ok, offsets, HEAD_DIM: tl.constexpr, 
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, key_ends_ptr,
-    scale, window, bt_stride, num_q_heads, num_kv_heads,
+    scale, window, bt_stride, num_q_heads, num_kv_heads, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    KEY_ENDS: tl.constexpr, PRECISION: tl.constexpr,
+    KEY_ENDS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program: BLOCK_M query tokens of one sequence, one query head. With KEY_ENDS,
     a query sees keys up to max(its position, key_ends[token]) (see AttentionMetadata)."""
@@ -95,15 +98,34 @@ def _paged_attention_kernel(
         acc = acc * correction[:, None] + tl.dot(p, values, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if FP8:  # FP8 caches: the keys' scale is in `scale`, the values' goes on the output
+        out = out * v_scale
     tl.store(out_ptr + ((q_start + rows)[:, None] * num_q_heads + head) * HEAD_DIM + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One program: one token's keys and values of one head, into the pair layouts. A
-    negative slot is a padding row (a CUDA graph's batch rounded up): nothing is written."""
+def _fp8_bits(x, scale):
+    """x / scale as the bits (uint8) of the nearest float8 e4m3fn value, ties to even,
+    saturated at +-448; NaN stays NaN."""
+    y = x.to(tl.float32) / scale
+    sign = (y.to(tl.uint32, bitcast=True) >> 24) & 0x80
+    a = tl.minimum(tl.abs(y), 448.0)
+    bits = a.to(tl.uint32, bitcast=True)
+    # from 2^-6 up: 3 mantissa bits rounded to nearest even, the exponent's bias 127 -> 7
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # below, multiples of 2^-9: rounded to nearest even by adding 2^23 in fp32
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    magnitude = tl.where(y != y, 0x7F, tl.where(a < 0.015625, subnormal, normal))
+    return (sign | magnitude).to(tl.uint8)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, k_scale, v_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr):
+    """One program: one token's keys and values of one head, into the pair layouts (FP8:
+    caches as bytes, each value quantized by its scale). A negative slot is a padding row
+    (a CUDA graph's batch rounded up): nothing is written."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -114,25 +136,33 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_he
     ok = dims < HEAD_DIM
     src = (token * num_kv_heads + head) * HEAD_DIM + dims
     base = (block * num_kv_heads + head) * HEAD_DIM * BLOCK_SIZE
-    tl.store(k_cache_ptr + base + (dims // 2) * (2 * BLOCK_SIZE) + 2 * offset + dims % 2, tl.load(k_ptr + src, mask=ok),
-             mask=ok)
-    tl.store(v_cache_ptr + base + (offset // 2) * (2 * HEAD_DIM) + 2 * dims + offset % 2, tl.load(v_ptr + src, mask=ok),
-             mask=ok)
+    keys = tl.load(k_ptr + src, mask=ok)
+    values = tl.load(v_ptr + src, mask=ok)
+    if FP8:
+        keys, values = _fp8_bits(keys, k_scale), _fp8_bits(values, v_scale)
+    tl.store(k_cache_ptr + base + (dims // 2) * (2 * BLOCK_SIZE) + 2 * offset + dims % 2, keys, mask=ok)
+    tl.store(v_cache_ptr + base + (offset // 2) * (2 * HEAD_DIM) + 2 * dims + offset % 2, values, mask=ok)
 
 
 def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> None:
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     tokens, heads, dim = k.shape
     if tokens == 0:
         return
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if fp8:  # written as bytes (_fp8_bits)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _write_kv_kernel[(tokens, heads)](k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping, heads,
-                                      HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3])
+                                      float(k_scale), float(v_scale), HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
+                                      BLOCK_SIZE=k_cache.shape[3], FP8=fp8)
 
 
 @register("paged_attention", "triton")
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+                           v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
+    write_kv_cache_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs = len(meta.seq_lens_host)
@@ -144,10 +174,10 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
     grid = (num_seqs, q.shape[1], triton.cdiv(max_q, BLOCK_M))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start, meta.seq_lens,
-        meta.seq_lens if meta.key_ends is None else meta.key_ends, scale, meta.sliding_window,
-        meta.block_tables.shape[1], q.shape[1], k_cache.shape[1],
+        meta.seq_lens if meta.key_ends is None else meta.key_ends, scale * k_scale if fp8 else scale,
+        meta.sliding_window, meta.block_tables.shape[1], q.shape[1], k_cache.shape[1], float(v_scale),
         HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[3], BLOCK_M=BLOCK_M,
-        KEY_ENDS=meta.key_ends is not None, PRECISION=dot_precision(q.dtype),
+        KEY_ENDS=meta.key_ends is not None, PRECISION=dot_precision(q.dtype), FP8=fp8,
     )
     return out
 

@@ -14,6 +14,7 @@ from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
 from vlmserve.models.context import DeepStackInputs, ForwardContext
+from vlmserve.models.kv_scales import load_kv_scale
 from vlmserve.models.layers import Embedding, FusedLinear, Linear, kept, mrope_cos_sin, rope_inv_freq
 from vlmserve.models.moe import load_expert_weight
 from vlmserve.models.weights import FUSED_PROJECTIONS, WeightLoader
@@ -190,6 +191,8 @@ class VisionLanguageModel(nn.Module):
                 continue  # multi-token-prediction head: not used
             name = self.canonical_name(name)
             if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if load_kv_scale(self, name, tensor):  # an FP8 KV cache's, kept by the attention layer
                 continue
             if isinstance(tensor, QuantizedWeight) and (".experts." in name or ".patch_embed." in name):
                 tensor = dequantize(tensor)  # stacked experts and the patch embedding run in the model's dtype

@@ -325,6 +325,12 @@ class PagedAttention(nn.Module):
     fused projection, the rotary on q and k, attention over the paged cache, the output
     projection (Qwen2's, as released; the families that differ override `rotate`)."""
 
+    # an FP8 KV cache's scales for this layer's keys and values (vLLM's k_scale, v_scale):
+    # 1.0 unless the checkpoint gives them (load_kv_scale); other caches ignore them
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    per_head_kv_scales: str | None = None  # the checkpoint's name of scales per head (refused with FP8)
+
     def __init__(
         self,
         layer_id: int,
@@ -372,7 +378,8 @@ class PagedAttention(nn.Module):
         qkv, o = self.qkv_proj.decode_projection(), self.o_proj.decode_projection()
         if qkv is None or o is None or self.qkv_proj.out_features != self.q_size + 2 * self.kv_size:
             return None  # LoRA slots, or a query gate
-        return AttentionWeights(self.layer_id, qkv, o, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        return AttentionWeights(self.layer_id, qkv, o, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                k_scale=self.k_scale, v_scale=self.v_scale)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,7 +389,7 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         """Writes k and v into this layer's cache and attends over it: [tokens, q_size]."""
         kv_cache, meta = ctx.kv_caches[self.layer_id], ctx.attn_metadata[self.layer_id]
-        out = ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(q.shape[0], self.q_size)
 
 

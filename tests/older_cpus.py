@@ -16,8 +16,9 @@ import pytest
 from vlmserve.kernels import cpu_extension
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_FILES = ["tests/test_kernels.py", "tests/test_decode_layers.py", "tests/test_quantization.py",
-              "tests/test_qwen2_5_vl_parity.py", "tests/test_qwen3_5_parity.py", "tests/test_sampler.py"]
+TEST_FILES = ["tests/test_kernels.py", "tests/test_fp8_kv_kernels.py", "tests/test_decode_layers.py",
+              "tests/test_quantization.py", "tests/test_qwen2_5_vl_parity.py", "tests/test_qwen3_5_parity.py",
+              "tests/test_sampler.py"]
 # the entry points' tests in those files: their kernels are the ones above, their time the server's
 NOT_KERNEL_TESTS = "not serve and not caption and not unknown_method and not loading_peaks"
 # torch's capability and oneDNN's cap that go with each target

@@ -54,6 +54,10 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "bench_spec_decode.py": (["--requests", "2", "--streams", "1,2", "--repeats", "1", "--drafts", "2",
                               "--disable-by-batch-size", "1", "--draft-layers", "0,1"],
                              r"\| plain \| 2 \| draft model \(layers 0,1\) k=3 \|"),
+    # an FP8 KV cache against bf16's: the shipped model's held-out questions, 3B widths at one layer
+    "kv_cache_drift.py": (["--pictures", "2", "--videos", "2", "--layers", "1", "--tokens", "4"],
+                          r"fp8 +KV: +[0-9]+ blocks[\s\S]*greedy answers the same: [0-9]+/[0-9]+[\s\S]*"
+                          r"fp8 KV [0-9]+ \(2\.00x\)[\s\S]*fp8 KV against bf16 KV: prompt tokens"),
     # the shipped model, bf16 against int8 and int4 at load, taking turns in one process
     "bench_quantized_decode.py": (["--model", str(SHIPPED_MODEL), "--rounds", "2", "--tokens", "5"],
                                   r"round 2: bf16 [0-9.]+ tok/s \(1.00x\), int8 [0-9.]+ tok/s \([0-9.]+x\), int4 [\s\S]*"

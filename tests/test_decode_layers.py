@@ -76,3 +76,24 @@ def test_layers_given_lora_slots_go_back_to_op_by_op(checkpoints, plans, monkeyp
     assert plans[-1] is None  # the adapter's layers add their products in Python
     assert adapted == op_by_op(monkeypatch, llm, image, adapter)
     assert adapted != answer(llm, image)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_one_call_over_an_fp8_kv_cache_gives_the_logprobs_of_the_layers_op_by_op(checkpoints, plans, monkeypatch,
+                                                                                 family):
+    """An FP8 KV cache with scales of its own in each layer (as a checkpoint gives them):
+    the one call writes and reads each layer's cache with that layer's scales, bit for bit
+    as the layers' own forward does."""
+    from vlmserve.models.layers import PagedAttention
+
+    llm = LLM(checkpoints[family], dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype="fp8")
+    layers = [m for m in llm.engine.core.core.runner.model.modules() if isinstance(m, PagedAttention)]
+    for i, layer in enumerate(layers):
+        layer.k_scale, layer.v_scale = 0.3 + 0.1 * i, 1.7 - 0.2 * i
+    image = make_image(96, 72, seed=3)
+    fused = answer(llm, image)
+    assert plans and all(plan is not None for plan in plans)
+    assert fused == op_by_op(monkeypatch, llm, image)
+    for layer in layers:  # the scales made a difference
+        layer.k_scale, layer.v_scale = 1.0, 1.0
+    assert op_by_op(monkeypatch, llm, image)[1] != fused[1]

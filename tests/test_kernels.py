@@ -158,7 +158,7 @@ def test_the_kv_cache_write_of_cpp_equals_torchs(dtype):
     ref = [torch.zeros_like(c) for c in caches]
     slots = torch.tensor([17, 3, 159, 80, 81, 16])
     k, v = torch.randn(6, 2, 64).to(dtype), torch.randn(6, 2, 64).to(dtype)
-    cpu_kernels().write_kv_cache(k, v, *caches, slots)
+    cpu_kernels().write_kv_cache(k, v, *caches, slots, 1.0, 1.0)
     write_kv_cache(k, v, *ref, slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     keys, values = read_kv_cache(*caches, slots // 16, slots % 16)

@@ -48,6 +48,23 @@ def test_qwen2_5_vl_on_triton_kernels(triton_llm, qwen25_path, hf_qwen25):
     assert sum(llm.engine.stats().prefix_cache_hits) > 0
 
 
+def test_an_fp8_kv_cache_on_triton_kernels_gives_the_cpu_kernels_answers(triton_llm, qwen25_path, hf_qwen25):
+    """--kv-cache-dtype fp8 through the Triton kernels (written by their integer rounding,
+    read by the GPU's conversion, here the interpreter's), a mixed batch with a prefix hit:
+    the tokens and logprobs of the CPU kernels over the same FP8 cache (the same bytes, fp32
+    sums in another order)."""
+    llm = triton_llm(qwen25_path, kv_cache_dtype="fp8")
+    cpu = LLM(qwen25_path, dtype="float32", num_kv_blocks=256, kv_cache_dtype="fp8")
+    specs, prompts, _ = mixed_requests(hf_qwen25)
+    prompts = prompts[:3] + prompts[:1]  # the last one hits the first one's blocks
+    params = [greedy(4) for _ in prompts]
+    for got, want in zip(run_together(llm, prompts, params), run_together(cpu, prompts, params)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert abs(a.logprobs[0] - b.logprobs[0]) < 1e-4
+    assert sum(llm.engine.stats().prefix_cache_hits) > 0
+
+
 def test_qwen3_5_on_triton_kernels(triton_llm, qwen35_path, hf_qwen35):
     """Gated DeltaNet and gated attention; chunked prefill through two pictures."""
     llm = triton_llm(qwen35_path, max_num_batched_tokens=24)

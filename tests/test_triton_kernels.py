@@ -114,6 +114,44 @@ def test_kv_cache_write_and_varlen_attention(dtype):
                                                                              seq_lens, 0.25), **tol(dtype, 2e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.25, 2.0)])
+def test_fp8_kv_cache_write_quantizes_as_torch_does(dtype, k_scale, v_scale):
+    """Byte for byte against the portable write (its integer arithmetic, not the
+    interpreter's conversion): ties to even, subnormals, values past +-448 saturated, NaN."""
+    k_shape, v_shape = attention.kv_cache_shapes(8, 16, 2, 16)
+    caches = [torch.zeros(shape, dtype=attention.FP8_KV_DTYPE, device=DEVICE) for shape in (k_shape, v_shape)]
+    ref = [torch.zeros(shape, dtype=attention.FP8_KV_DTYPE) for shape in (k_shape, v_shape)]
+    slots = torch.tensor([17, 3, 100, 80, 81, 16])
+    k, v = torch.randn(6, 2, 16) * 4, torch.randn(6, 2, 16)
+    special = torch.tensor([2.625, -2.625, 0.65625, 5.25, 3 * 2**-11, 2**-10, 1e-5, 0.0, 447.0, 460.0, 1000.0, -1e6,
+                            1e30, float("nan"), 2**-6, 2**-7 * 1.5])
+    k[0, 0], v[1, 1] = special * k_scale, special * v_scale
+    k, v = k.to(dtype), v.to(dtype)
+    triton_attention.write_kv_cache_triton(*on_device(k, v), *caches, slots.to(DEVICE), k_scale, v_scale)
+    attention.write_kv_cache(k, v, *ref, slots, k_scale, v_scale)
+    for got, want in zip(caches, ref):
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,window", [(16, None), (32, 20)])  # each ~2 s in the interpreter
+def test_paged_attention_over_an_fp8_cache(block_size, window, dtype):
+    """The mixed batch of test_paged_attention over FP8 caches with scales: the float64
+    reference over the numbers the caches hold."""
+    from test_fp8_kv_kernels import fp8_case
+
+    num_computed, query_lens = [0, 7, 33, 0, 40, 5], [1, 1, 1, 23, 17, 40]
+    k8, v8, tables, history, new_k, new_v, held_new = fp8_case(num_computed, query_lens, 2, 16, block_size, dtype,
+                                                               0.25, 2.0, num_blocks=64)
+    meta = attention.build_attention_metadata(tables, num_computed, query_lens, block_size, window, upload)
+    q = torch.randn(sum(query_lens), 8, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = triton_attention.paged_attention_triton(*on_device(q, new_k, new_v, k8, v8), meta, 0.25, 0.25, 2.0)
+    assert out.dtype == dtype
+    assert_equals_dense(out.cpu(), q, history, *held_new, query_lens, 0.25, window,
+                        tol=2e-5 if dtype == torch.float32 else 2e-2)
+
+
 def recurrent_case(seed: int, dtype: torch.dtype = torch.float32, meta_upload=None):
     torch.manual_seed(seed)
     hk, h, dk, dv, c, kernel, num_slots = 2, 8, 16, 16, 20, 4, 14

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# --kv-cache-dtype (vLLM's names): auto keeps keys and values in the model's dtype; fp8 and
+# fp8_e4m3 store them in float8 e4m3fn (core/kv_cache_spec.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 @dataclass
 class SchedulerConfig:

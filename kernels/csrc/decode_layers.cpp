@@ -50,9 +50,10 @@ Tensor attention(const DecodeLayer& layer, const Tensor& h, const Tensor& cos, c
   }
   q = k::apply_rotary(q, cos, sin);
   key = k::apply_rotary(key, cos, sin);
-  k::write_kv_cache(key, parts[2].view({n, layer.num_kv_heads, d}), k_cache, v_cache, slot_mapping);
+  k::write_kv_cache(key, parts[2].view({n, layer.num_kv_heads, d}), k_cache, v_cache, slot_mapping, layer.k_scale,
+                    layer.v_scale);
   const Tensor out = k::paged_attention(q, k_cache, v_cache, block_tables, query_start, seq_lens, window,
-                                        layer.scale, std::nullopt);
+                                        layer.scale, std::nullopt, layer.k_scale, layer.v_scale);
   return project(out.reshape({n, q_size}), layer.o);
 }
 

@@ -22,12 +22,13 @@ extern std::tuple<Tensor, Tensor> (*const add_rms_norm)(const Tensor& x, const T
 extern Tensor (*const apply_rotary)(const Tensor& x, const Tensor& cos, const Tensor& sin);
 extern Tensor (*const silu_and_mul)(const Tensor& gate_up);
 
-// paged_attention.cpp
+// paged_attention.cpp (k_scale, v_scale: an FP8 cache's; other caches ignore them)
 extern void (*const write_kv_cache)(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
-                                    const Tensor& slot_mapping);
+                                    const Tensor& slot_mapping, double k_scale, double v_scale);
 extern Tensor (*const paged_attention)(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                        const Tensor& block_tables, const Tensor& query_start, const Tensor& seq_lens,
-                                       int64_t window, double scale, const OptionalTensor& key_ends);
+                                       int64_t window, double scale, const OptionalTensor& key_ends, double k_scale,
+                                       double v_scale);
 
 // varlen_attention.cpp
 extern Tensor (*const varlen_attention)(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
@@ -80,6 +81,7 @@ struct DecodeLayer {
   DecodeLinear qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim;
   double scale, eps;
+  double k_scale = 1.0, v_scale = 1.0;  // an FP8 KV cache's
 };
 extern std::tuple<Tensor, Tensor> (*const decode_layers)(
     const std::vector<DecodeLayer>& layers, const Tensor& x, const OptionalTensor& delta, const Tensor& cos,

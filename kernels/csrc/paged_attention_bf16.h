@@ -135,23 +135,22 @@ VLMSERVE_INLINE void two_block_values(const uint32_t* p_a, const uint32_t* p_b, 
   }
 }
 
-// The rows' attention over the blocks of a sequence from lo's to last_pos's (keys and
-// values: block_elems of each head a block), on the AVX512-BF16 path: two blocks a round;
-// the next two are asked for while these are computed.
-template <typename scalar_t, int BS, int D>
-VLMSERVE_INLINE void attend_block_pairs(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_table,
-                                        int64_t kv_heads, int64_t kv_head, int64_t block_elems, int64_t lo,
-                                        int64_t last_pos, int64_t padded, float scale, float* correction,
+// The rows' attention over the blocks of a sequence from lo's to last_pos's (`blocks`: where
+// each block of the head is), on the AVX512-BF16 path: two blocks a round; the next two are
+// asked for while these are computed.
+template <typename scalar_t, int BS, int D, typename cache_t>
+VLMSERVE_INLINE void attend_block_pairs(const HeadBlocks<scalar_t, cache_t>& blocks, const int32_t* block_table,
+                                        int64_t lo, int64_t last_pos, int64_t padded, float scale, float* correction,
                                         Scratch& s) {
   constexpr int64_t bs = BS, dim = D;
   const int64_t last_block = last_pos / bs;
   for (int64_t b = lo / bs; b <= last_block; b += 2) {
     const bool pair = b + 1 <= last_block;
-    const scalar_t* keys_a = k_cache + (block_table[b] * kv_heads + kv_head) * block_elems;
-    const scalar_t* values_a = v_cache + (block_table[b] * kv_heads + kv_head) * block_elems;
-    const scalar_t* keys_b = pair ? k_cache + (block_table[b + 1] * kv_heads + kv_head) * block_elems : nullptr;
-    const scalar_t* values_b = pair ? v_cache + (block_table[b + 1] * kv_heads + kv_head) * block_elems : nullptr;
-    ask_for_blocks(k_cache, v_cache, block_table, b + 2, std::min(b + 3, last_block), kv_heads, kv_head, block_elems);
+    const auto [keys_a, values_a] = blocks.at(block_table[b], 0);
+    const auto [keys_b, values_b] = pair ? blocks.at(block_table[b + 1], 1)
+                                         : std::pair<const scalar_t*, const scalar_t*>(nullptr, nullptr);
+    ask_for_blocks(blocks.k_cache, blocks.v_cache, block_table, b + 2, std::min(b + 3, last_block), blocks.kv_heads,
+                   blocks.kv_head, blocks.block_elems);
     uint32_t* p_a = s.p_pairs.data();
     uint32_t* p_b = p_a + kRows * BS / 2;
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {

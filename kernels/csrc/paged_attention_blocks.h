@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include "paged_attention_avx2.h"
 #endif
 
+#include "kv_fp8.h"
 #include "vec_math.h"
 
 // The bf16 path's helpers hold their operands in registers only when inlined: without
@@ -37,6 +39,7 @@ struct Scratch {
   std::vector<float> q, o, row_max, row_sum, scores;
   std::vector<uint32_t> q_pairs, p_pairs;  // bf16 pairs, for the AVX512-BF16 path
   std::vector<int32_t> lo, hi;  // per row: the visible key positions [lo, hi]
+  std::vector<uint64_t> widened;  // an FP8 cache's blocks in the queries' dtype (HeadBlocks)
   void reserve(int64_t rows, int64_t head_dim, int64_t block_size) {
     // Every per-row buffer has kReadAheadRows rows more than the item uses: GCC's
     // unrolled loops were seen to load past the rows they work on (the queries', in
@@ -52,6 +55,36 @@ struct Scratch {
     scores.resize(n * block_size);  // the other paths' (the bf16 path keeps its scores in registers)
     lo.resize(n);
     hi.resize(n);
+  }
+  // room for two blocks' keys and values of block_elems each, in T
+  template <typename T>
+  T* widened_blocks(int64_t block_elems) {
+    widened.resize((4 * block_elems * int64_t(sizeof(T)) + 7) / 8);
+    return reinterpret_cast<T*>(widened.data());
+  }
+};
+
+// One KV head's keys and values of a block, in the queries' dtype scalar_t: where they lie
+// in a cache of that dtype, or (an FP8 cache, kv_fp8.h) widened into the thread's scratch,
+// which holds two blocks (`slot` 0 or 1: the AVX512-BF16 path reads two at once).
+template <typename scalar_t, typename cache_t>
+struct HeadBlocks {
+  static constexpr bool kWidened = !std::is_same_v<scalar_t, cache_t>;
+  const cache_t* k_cache;
+  const cache_t* v_cache;
+  int64_t kv_heads, kv_head, block_elems;
+  scalar_t* scratch;  // kWidened only
+
+  std::pair<const scalar_t*, const scalar_t*> at(int64_t block, int slot) const {
+    const int64_t start = (block * kv_heads + kv_head) * block_elems;
+    if constexpr (kWidened) {
+      scalar_t* keys = scratch + 2 * slot * block_elems;
+      vlmserve::fp8::widen(k_cache + start, keys, block_elems);
+      vlmserve::fp8::widen(v_cache + start, keys + block_elems, block_elems);
+      return {keys, keys + block_elems};
+    } else {
+      return {k_cache + start, v_cache + start};
+    }
   }
 };
 

@@ -55,14 +55,16 @@ void def_decode_layer_types(py::module_& m) {
   py::class_<k::DecodeLayer>(m, "DecodeLayer")
       .def(py::init([](Tensor input_norm, Tensor post_attention_norm, Optional q_norm, Optional k_norm,
                        k::DecodeLinear qkv, k::DecodeLinear o, k::DecodeLinear gate_up, k::DecodeLinear down,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps) {
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+                       double k_scale, double v_scale) {
              return k::DecodeLayer{std::move(input_norm), std::move(post_attention_norm), std::move(q_norm),
                                    std::move(k_norm), std::move(qkv), std::move(o), std::move(gate_up),
-                                   std::move(down), num_heads, num_kv_heads, head_dim, scale, eps};
+                                   std::move(down), num_heads, num_kv_heads, head_dim, scale, eps, k_scale, v_scale};
            }),
            py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"));
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("eps"),
+           py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   py::bind_vector<std::vector<k::DecodeLayer>>(m, "DecodeLayers");
 }
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
+
+from vlmserve.config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,23 @@ class KVCacheGroup:
 
     spec: KVCacheSpec
     layer_ids: tuple[int, ...]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention layers keep their keys and values in, by its --kv-cache-dtype name:
+    the model's, or float8 e4m3fn (one byte a value, with a scale per layer for keys and one
+    for values: kernels/attention.py)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}: one of {', '.join(KV_CACHE_DTYPES)}")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
+def with_kv_cache_dtype(layer_specs: dict[int, KVCacheSpec], dtype: torch.dtype) -> dict[int, KVCacheSpec]:
+    """The attention layers' specs with their keys and values in dtype (an FP8 cache's pages
+    are half a bf16 cache's: twice the blocks in the same memory); recurrent layers' states
+    keep theirs."""
+    return {layer: dataclasses.replace(spec, dtype=dtype) if isinstance(spec, AttentionSpec) else spec
+            for layer, spec in layer_specs.items()}
 
 
 def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vlmserve import envs
-from vlmserve.config import SpeculativeConfig
+from vlmserve.config import KV_CACHE_DTYPES, SpeculativeConfig
 from vlmserve.errors import ConfigError
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.structured_output.schema import GrammarLimits
@@ -69,6 +69,10 @@ class EngineArgs:
     chunked_prefill: bool = True
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_gb: float = 0.5  # memory for the KV cache and the recurrent states
+    # auto: keys and values in the model's dtype; fp8 (or fp8_e4m3, vLLM's names): float8
+    # e4m3fn with a scale per layer for each (1.0 unless the checkpoint gives k_scale and
+    # v_scale), twice the blocks in the same memory (docs/quantization.md: an FP8 KV cache)
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides --kv-cache-memory-gb for attention blocks
     prefix_caching: bool = True  # reuse the KV cache (and recurrent states) of shared prefixes
     # hybrid models: recurrent-state snapshots kept for prefix caching (default: up to a
@@ -167,6 +171,13 @@ class EngineArgs:
         if kind == "cuda" and self.distributed_executor_backend == "mp" and self.tensor_parallel_size > gpus:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: this machine has {gpus} GPU(s), "
                               f"one a rank (--distributed-executor-backend ray places ranks across machines)")
+        if kind == "cuda" and self.kv_cache_dtype != "auto" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            name = torch.cuda.get_device_name(self.device)
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: this GPU ({name}, "
+                              f"compute capability {major}.{minor}) has no FP8 conversions, which the Triton kernels "
+                              f"read an FP8 KV cache with (8.9 and later: Ada, Hopper, Blackwell); use "
+                              f"--kv-cache-dtype auto")
 
     def check_quantization(self, hf_config: Any) -> None:
         """A method vlmserve has, and a checkpoint quantized in a format it loads (checked
@@ -192,6 +203,9 @@ class EngineArgs:
         self.speculative()
         if self.generation_config not in ("auto", "vlmserve"):
             raise ConfigError(f"--generation-config {self.generation_config}: auto or vlmserve")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: {' or '.join(KV_CACHE_DTYPES)} (fp8 is float8 "
+                              f"e4m3fn; vLLM's fp8_e5m2 is not supported)")
         self.check_parallel()
         from vlmserve.reasoning.parsers import REASONING_PARSERS
 

@@ -13,7 +13,8 @@ from vlmserve.allocator import keep_freed_memory
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
-from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, blocks_for_memory, group_layers, state_slot_bytes
+from vlmserve.core.kv_cache_spec import (AttentionSpec, KVCacheConfig, KVCacheGroup, blocks_for_memory, group_layers,
+                                         kv_cache_dtype, state_slot_bytes, with_kv_cache_dtype)
 from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.distributed import SINGLE
@@ -24,6 +25,7 @@ from vlmserve.engine.runner_setup import RunnerPlan, load_models, make_runner, r
 from vlmserve.errors import ConfigError, RankFailure
 from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
+from vlmserve.models.kv_scales import check_kv_scales, describe_kv_scales
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.spec_decode.draft_model import check_draft_model
@@ -262,7 +264,7 @@ def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model
     every rank), and the most prompt tokens a request computes in a step."""
     speculative = args.speculative()
     dtype = next(model.parameters()).dtype
-    groups = group_layers(model.kv_cache_specs(args.block_size, dtype))
+    groups = kv_cache_groups(args, model, dtype)
     draft_groups = [] if draft_model is None else check_draft_model(draft_model, groups, args.block_size, dtype)
     num_drafts = speculative.num_speculative_tokens if speculative else 0
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
@@ -286,6 +288,16 @@ def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model
         max_loras=args.max_loras if args.enable_lora else 0,
     )
     return RunnerPlan(kv_config, sched_config, eos_token_id), max_chunk_tokens
+
+
+def kv_cache_groups(args: EngineArgs, model: torch.nn.Module, dtype: torch.dtype) -> list[KVCacheGroup]:
+    """The model's KV cache groups, the attention layers' keys and values in --kv-cache-dtype
+    (recurrent states keep theirs)."""
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype)
+    if kv_dtype != dtype:
+        check_kv_scales(model)
+        logger.info("KV cache in %s, %s", str(kv_dtype).removeprefix("torch."), describe_kv_scales(model))
+    return group_layers(with_kv_cache_dtype(model.kv_cache_specs(args.block_size, dtype), kv_dtype))
 
 
 def state_bytes_per_request(groups, num_drafts: int = 0, draft_groups=()) -> int:

@@ -3,6 +3,7 @@ the shapes world (a seed training never uses) and prints accuracy per question k
 optionally checks that transformers gives the same greedy answers.
 
     vlmserve eval [--model PATH] [--pictures 500] [--videos 100] [--video-captions 200] [--compare-transformers 50]
+                  [--quantization int8|int4] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ def table(results: dict[str, tuple[int, int]]) -> str:
     return "\n".join(lines)
 
 
-def run_vlmserve(model: str | None, items: list[Item], dtype: str,
-                 quantization: str | None = None) -> tuple[list[str], float]:
+def run_vlmserve(model: str | None, items: list[Item], dtype: str, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> tuple[list[str], float]:
     from vlmserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, quantization=quantization)
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     start = time.time()
     outs = llm.chat([chat_for(i) for i in items], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].text for o in outs], time.time() - start
@@ -126,6 +127,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", choices=["int8", "int4"], default=None,
                    help="quantize the language layers at load (as serve's --quantization)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="the KV cache's dtype (as serve's --kv-cache-dtype)")
     p.add_argument("--compare-transformers", type=int, default=0, metavar="N",
                    help="also answer the first N pictures and N videos of each kind with transformers (fp32) and compare")
 
@@ -135,11 +138,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
     model = resolve_model_path(args.model)
     items = held_out_set(args.pictures, args.videos, args.seed, args.video_captions)
-    answers, seconds = run_vlmserve(model, items, args.dtype, args.quantization)
+    answers, seconds = run_vlmserve(model, items, args.dtype, args.quantization, args.kv_cache_dtype)
     results = score(items, answers)
     print(f"held-out set (seed {args.seed!r}): {args.pictures} pictures, {args.videos + args.video_captions} videos, "
           f"{len(items)} questions, answered in {seconds:.1f}s through vlmserve"
-          + (f" ({args.quantization} weights)" if args.quantization else ""))
+          + (f" ({args.quantization} weights)" if args.quantization else "")
+          + (f" ({args.kv_cache_dtype} KV cache)" if args.kv_cache_dtype != "auto" else ""))
     print(table(results))
     wrong = [(i, a) for i, a in zip(items, answers)
              if shapes.normalize_answer(a) != shapes.normalize_answer(i.answer)]
