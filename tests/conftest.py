@@ -35,6 +35,13 @@ from vlmserve.testing.checkpoints import (Experts, build_gemma3, build_qwen2_5_v
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with end-to-end (slow) tests first: with -n 2 each file runs whole in one
+    worker, and a long file started last leaves the other worker idle to the end."""
+    long_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: each file's order kept
+
+
 @pytest.fixture(params=[False, True], ids=["one-stream", "streams"])
 def gemv_streams(request):
     """Each way the decode GEMVs can read a thread's weight (the kernels' load sets one by CPU

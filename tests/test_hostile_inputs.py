@@ -307,7 +307,6 @@ def test_the_key_is_checked_before_the_body_is_read(hostile):
 def test_token_endpoints_and_prompts_refuse_what_they_cannot_take(hostile):
     surrogate = b'{"model": "tiny", "prompt": "a \\ud800 b"}'
     _refused(_post(hostile, "/tokenize", None, raw=surrogate), 400, "lone surrogate")
-    start = time.perf_counter()
     _refused(_post(hostile, "/tokenize", {"model": "tiny", "prompt": "word " * 1_000_000}), 400,
              "characters, more than the model's context")
     _refused(_post(hostile, "/detokenize", {"model": "tiny", "tokens": [1] * 100_000}), 400, "context")
