@@ -314,7 +314,6 @@ def varlen_attention(
         return _equal_length_attention(q, k, v, longest, scale)
     if len(seq_lens) * longest**2 > PADDING_LIMIT * sum(length * length for length in seq_lens):
         return _attention_by_length(q, k, v, seq_lens, scale)
-    num_seqs = len(seq_lens)
     starts = np.cumsum([0] + list(seq_lens[:-1]))
     offsets = np.arange(longest)
     valid = offsets[None, :] < np.asarray(seq_lens)[:, None]

@@ -322,3 +322,18 @@ def test_events_come_in_openai_order():
     final = payloads[-1]["response"]["output"]
     assert [i["type"] for i in final] == ["reasoning", "message", "function_call"]
     assert final[1]["content"][0]["text"] == "\n\nHi" and final[2]["arguments"] == "{}"
+
+
+def test_vllms_command_line_flags_for_thinking_models():
+    """--enable-auto-tool-choice is taken as vLLM's command lines give it; an unknown
+    --reasoning-parser is refused before anything loads."""
+    from vlmserve.engine.args import EngineArgs
+    from vlmserve.entrypoints.cli import build_parser
+    from vlmserve.errors import ConfigError
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml",
+                                      "--reasoning-parser", "qwen3"])
+    assert args.enable_auto_tool_choice and args.reasoning_parser == "qwen3"
+    EngineArgs(reasoning_parser="qwen3").check_settings()
+    with pytest.raises(ConfigError, match="--reasoning-parser granite: vlmserve has qwen3, deepseek_r1"):
+        EngineArgs(reasoning_parser="granite").check_settings()
