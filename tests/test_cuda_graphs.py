@@ -24,6 +24,22 @@ def test_capture_sizes_and_padding():
     assert [padded_size(n, sizes) for n in (1, 3, 4, 5, 33, 48, 49)] == [1, 4, 4, 8, 48, 48, None]
 
 
+def test_a_model_split_across_ranks_runs_eagerly(caplog):
+    """Under tensor parallelism nothing is captured (a capture failing on one rank alone
+    would leave the others in a collective), and the log says why."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vlmserve.distributed import TensorParallel
+
+    model = torch.nn.Linear(2, 2)
+    model.tp = TensorParallel(0, 2)
+    with caplog.at_level("INFO", logger="vlmserve.worker.cuda_graphs"):
+        assert CudaGraphs.capture(SimpleNamespace(model=model), 8) is None
+    assert "split across ranks" in caplog.text
+
+
 def test_only_steps_of_generated_single_tokens_replay():
     assert is_decode_only([1, 1], [0, 0], [10, 12], [10, 5])
     assert not is_decode_only([1, 3], [0, 0], [10, 12], [10, 5])  # a prompt chunk

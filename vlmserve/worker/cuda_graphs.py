@@ -123,6 +123,11 @@ class CudaGraphs:
         if any(isinstance(module, Experts) for module in runner.model.modules()):
             logger.info("CUDA graphs off: the MoE layers read their expert counts back to the host")
             return None
+        if runner.model.tp.size > 1:
+            # a capture that failed on one rank alone would leave its peers waiting in a
+            # collective; NCCL inside captured graphs has not been run here yet
+            logger.info("CUDA graphs off: the model is split across ranks (eager steps until tested on GPUs)")
+            return None
         graphs = cls(runner, max_num_seqs)
         pool = torch.cuda.graph_pool_handle()
         try:
