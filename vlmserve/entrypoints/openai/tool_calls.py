@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,13 +70,18 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
     JSON call with a name stays in the text). A block is read by its structure: the JSON
     value after the opening tag, then the closing tag, so a closing tag inside a string
     argument does not end it."""
+    return split_calls(text, _read_block)
+
+
+def split_calls(text: str, read_block: Callable[[str, int], tuple[ToolCall, int] | None]
+                ) -> tuple[str, list[ToolCall]]:
+    """The text outside the call blocks that `read_block` reads, and the calls, in either
+    format: a block it cannot read (None) stays in the text, and the search goes on after
+    its opening tag."""
     calls, kept, pos = [], [], 0
-    while True:
-        start = text.find(START, pos)
-        if start < 0:
-            break
-        block = _read_block(text, start)
-        if block is None:  # not a call: keep it as text and look further
+    while (start := text.find(START, pos)) >= 0:
+        block = read_block(text, start)
+        if block is None:
             kept.append(text[pos : start + len(START)])
             pos = start + len(START)
             continue

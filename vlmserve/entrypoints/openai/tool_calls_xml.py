@@ -21,11 +21,10 @@ import re
 from typing import Any
 
 from vlmserve.entrypoints.openai.protocol import NamedToolChoice, Tool
-from vlmserve.entrypoints.openai.tool_calls import ToolCall
+from vlmserve.entrypoints.openai.tool_calls import END, START, ToolCall, split_calls
 from vlmserve.sampling_params import StructuredOutputsParams
 from vlmserve.structured_output.xml_calls import is_text_parameter
 
-START, END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?")
 _FUNCTION_END = re.compile(r"\s*</function>\s*")
@@ -40,19 +39,7 @@ class XmlToolCalls:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The text outside complete call blocks, and the calls (a block that does not read
         as a call stays text)."""
-        calls, kept, pos = [], [], 0
-        while (start := text.find(START, pos)) >= 0:
-            block = self.read_block(text, start)
-            if block is None:
-                kept.append(text[pos : start + len(START)])
-                pos = start + len(START)
-                continue
-            call, end = block
-            kept.append(text[pos:start])
-            calls.append(call)
-            pos = end
-        kept.append(text[pos:])
-        return "".join(kept).strip() if calls else text, calls
+        return split_calls(text, self.read_block)
 
     def read_block(self, text: str, start: int) -> tuple[ToolCall, int] | None:
         """The call whose block opens at `start`, and where the block ends; None if it is
