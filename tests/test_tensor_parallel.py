@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,9 @@ import time
 
 import pytest
 
-from test_lora import MIXED, adapters, check_all, peft_qwen25  # noqa: F401 (fixtures)
+from test_lora import MIXED, adapters, check_all, greedy, peft_qwen25  # noqa: F401 (fixtures)
 from test_qwen2_5_vl_parity import IMG_A, mixed_requests, run_together
-from vlmserve import LLM
+from vlmserve import LLM, LoRARequest
 from vlmserve.distributed import TensorParallel
 from vlmserve.errors import RankFailure
 
@@ -286,11 +287,22 @@ def test_quantized_layers_split_as_one_rank_runs_them(wide_checkpoints, hf_qwen2
     assert tokens[1] == tokens[2]
 
 
-def test_adapters_split_with_their_layers(qwen25_path, adapters, peft_qwen25):  # noqa: F811
+def test_adapters_split_with_their_layers(qwen25_path, adapters, peft_qwen25, tmp_path):  # noqa: F811
     """LoRA under TP=2: three adapters (attention, MLP, everything with the vision tower)
     and the base model in one chunked batch, two slots for three adapters; each answer is
     PEFT's under its adapter (B split with column-parallel layers, A with row-parallel)."""
     llm = LLM(qwen25_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256,
               max_num_batched_tokens=24, tensor_parallel_size=2)
     check_all(llm, peft_qwen25, MIXED, adapters)
+    # the other ranks take an adapter from rank 0, never from its folder: gone once rank 0
+    # has read it, the answers are still the adapter's
+    folder = tmp_path / "attn"
+    shutil.copytree(adapters["attn"].lora_path, folder)
+    lora = LoRARequest("attn-copy", 9, str(folder))
+    llm.engine.check_lora(lora)
+    llm.engine.engine_core.runner.load_lora(lora)
+    shutil.rmtree(folder)
+    prompt = {"prompt": peft_qwen25.prompt("Describe the image.", 1), "multi_modal_data": {"image": [IMG_A]}}
+    want = llm.generate([prompt], greedy(), lora_request=[adapters["attn"]])[0].outputs[0].token_ids
+    assert llm.generate([prompt], greedy(), lora_request=[lora])[0].outputs[0].token_ids == want
     llm.engine.shutdown()

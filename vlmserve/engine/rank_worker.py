@@ -59,6 +59,8 @@ def _serve(job: RankJob, tp: TensorParallel, channel: Channel) -> None:
         kind, payload = channel.receive()
         if kind == "step":
             runner.submit(*payload).result()
+        elif kind == "lora":
+            runner.add_lora(*payload)
         elif kind == "clear_encoder_cache":
             runner.clear_encoder_cache()
         elif kind == "stop":

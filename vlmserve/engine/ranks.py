@@ -34,6 +34,7 @@ from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.rank_worker import RankJob, RayRank, run_rank
 from vlmserve.engine.runner_setup import RunnerPlan, rank_device
 from vlmserve.errors import RankFailure
+from vlmserve.lora.request import LoRARequest
 from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.device_queue import run_into
 from vlmserve.worker.model_runner import ModelRunner, PendingStep
@@ -190,6 +191,7 @@ class ParallelRunner:
     def __init__(self, runner: ModelRunner, ranks: Ranks) -> None:
         self.runner = runner
         self.ranks = ranks
+        self._sent_loras: set[tuple[int, str]] = set()  # the adapters the other ranks were sent
 
     @property
     def proposer(self):
@@ -213,9 +215,14 @@ class ParallelRunner:
     def execute_model(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         return self.submit(so, grammar).result()
 
-    def load_lora(self, lora) -> None:
-        # rank 0 reads (and checks) it now; the others read their share at its first step
-        self.runner.load_lora(lora)
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Rank 0 reads (and checks) the adapter, and sends it to the others the first time:
+        no other rank reads its folder (which a rank on another machine may not have), and
+        none can fail on it after rank 0 took it."""
+        adapter = self.runner.load_lora(lora)
+        if (lora.lora_int_id, lora.lora_path) not in self._sent_loras:
+            self.ranks.send("lora", (lora, adapter))
+            self._sent_loras.add((lora.lora_int_id, lora.lora_path))
 
     def clear_encoder_cache(self) -> None:
         self.ranks.send("clear_encoder_cache")

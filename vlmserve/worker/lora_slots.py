@@ -101,6 +101,9 @@ class LoRASlots:
                 raise RuntimeError(f"{len(in_use)} adapters in one step, over the {self.num_slots} LoRA slots")
             slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
             self._fill(slot, self.load(lora))
+            # used by a step: the most recent (steps are the same on every rank, so every
+            # rank keeps the same adapters)
+            self.adapters.move_to_end(lora.lora_int_id)
             self.slot_ids[slot] = lora.lora_int_id
         self.slot_used[slot] = self.clock
         return slot
@@ -121,8 +124,13 @@ class LoRASlots:
         adapter = self.adapters.get(lora.lora_int_id)
         if adapter is None:
             adapter = read_adapter(lora.lora_path, self.targets, self.max_rank, self.model.canonical_name)
-            self.adapters[lora.lora_int_id] = adapter
-            while len(self.adapters) > self.max_cpu_loras:
-                self.adapters.popitem(last=False)
-        self.adapters.move_to_end(lora.lora_int_id)
+            self.add(lora, adapter)
         return adapter
+
+    def add(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Keeps an adapter read elsewhere (by rank 0, for the other ranks), as the most
+        recently used."""
+        self.adapters[lora.lora_int_id] = adapter
+        self.adapters.move_to_end(lora.lora_int_id)
+        while len(self.adapters) > self.max_cpu_loras:
+            self.adapters.popitem(last=False)

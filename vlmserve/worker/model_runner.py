@@ -14,6 +14,7 @@ from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec,
 from vlmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
+from vlmserve.lora.adapter import LoRAAdapter
 from vlmserve.lora.request import LoRARequest
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.structured_output.manager import GrammarBitmask
@@ -121,12 +122,16 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.queue.close()
 
-    def load_lora(self, lora: LoRARequest) -> None:
+    def load_lora(self, lora: LoRARequest) -> LoRAAdapter:
         """Reads an adapter into memory ahead of its first step (LoRAError if it cannot), in
         order with the device work (which fills the slots from what it reads)."""
         if self.lora is None:
             raise RuntimeError("a LoRA request reached an engine without LoRA")
-        self.queue.call(lambda: self.lora.load(lora))
+        return self.queue.call(lambda: self.lora.load(lora))
+
+    def add_lora(self, lora: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Keeps an adapter another rank read, in order with the device work."""
+        self.queue.call(lambda: self.lora.add(lora, adapter))
 
     def clear_encoder_cache(self) -> None:
         self.queue.call(self.encoder.clear)
