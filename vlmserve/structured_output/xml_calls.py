@@ -1,14 +1,6 @@
-"""The grammar of a forced tool call in Qwen's XML form (Qwen3-Coder, Qwen3.5):
-
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    </function>
-    </tool_call>
-
-built from the calls' JSON schema (one `{"name": {"const": ...}, "arguments": {...}}`
+"""The grammar of a forced tool call in Qwen's XML form (Qwen3-Coder, Qwen3.5: a
+`<function=name>` block of `<parameter=name>` blocks inside `<tool_call>`, as
+entrypoints/openai/tool_calls_xml.py shows and reads it), built from the calls' JSON schema (one `{"name": {"const": ...}, "arguments": {...}}`
 schema per tool, under `anyOf` when several): the parameters in the order the tool lists
 them, the required ones always, the others optional; a string parameter's value is its
 text (no `<`: the tags stay unambiguous; an enum, one of its values), any other a compact
