@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_flags, render_prompt, synthetic_image  # noqa: E402
+from common import checkpoint_costs, cpu_flags, read_bandwidth, render_prompt, synthetic_image  # noqa: E402
 
 
 def peak_rss_of(pid: int) -> int:
@@ -111,13 +111,19 @@ def main() -> None:
     for _ in range(args.rounds):
         for tp in sizes:
             results[tp].append(run(model, tp, max(1, args.threads // tp)))
-    print("\n| ranks (threads each) | one user: first token s | decode tok/s | batch of 16: tok/s | peak GB per rank |")
+    # one user's decode against the roofline: every rank together reads the whole language
+    # model and head once a token, over the machine's one memory bus (measured after the runs)
+    step_bytes, read_gbs = checkpoint_costs(model)["decode_bytes"], read_bandwidth(args.threads)
+    print(f"a decode step reads {step_bytes / 1e9:.2f} GB; this machine reads {read_gbs:.1f} GB/s")
+    print("\n| ranks (threads each) | one user: first token s | decode tok/s (of roofline) | batch of 16: tok/s "
+          "| peak GB per rank |")
     print("| --- | --- | --- | --- | --- |")
     for tp, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tok_s", "batch_tok_s")}
         peaks = ", ".join(f"{max(r['peak_gb'][i] for r in runs):.2f}" for i in range(tp))
-        print(f"| {tp} ({max(1, args.threads // tp)}) | {med['ttft_s']:.2f} | {med['decode_tok_s']:.1f} | "
-              f"{med['batch_tok_s']:.1f} | {peaks} |")
+        share = med["decode_tok_s"] * step_bytes / (read_gbs * 1e9)
+        print(f"| {tp} ({max(1, args.threads // tp)}) | {med['ttft_s']:.2f} | {med['decode_tok_s']:.1f} "
+              f"({share:.0%}) | {med['batch_tok_s']:.1f} | {peaks} |")
 
 
 if __name__ == "__main__":
