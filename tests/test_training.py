@@ -34,7 +34,10 @@ def test_training_stops_resumes_and_exports(tmp_path):
     assert first.returncode == 0 and "stopped at vision step" in rest, "".join(log) + rest
     assert (out / "train_state.pt").exists() and not (out / "model").exists()
 
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:  # where it stopped, whole
+        pytest.fail(f"the resumed run did not end: {e.stderr}")
     assert second.returncode == 0, second.stderr
     assert "resumed: vision phase, step 2" in second.stderr  # not from scratch
     for phase in ("vlm", "lookup", "caption", "json"):

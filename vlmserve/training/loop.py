@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -34,6 +35,19 @@ class Run:
         save_state(self.state_path, {"phase": phase, "step": step, "log": self.state["log"],
                                      "model": self.model.state_dict(), "head": self.head.state_dict(),
                                      "optimizer": optimizer.state_dict()})
+
+
+def batch_loader(batches: torch.utils.data.IterableDataset, processor) -> torch.utils.data.DataLoader:
+    """Batches made ahead in a worker process. The worker starts from a fork server (a clean
+    process), not from this one: a phase starts its worker after the last one's ended, and
+    a fork of a process with live threads can hang the child (CI saw one phase's worker
+    never answer). The server imports what makes the batches once (the processor's parts
+    take seconds), so each phase's worker starts at once."""
+    parts = [processor, processor.tokenizer, processor.image_processor, getattr(processor, "video_processor", None)]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([type(batches).__module__] + [type(p).__module__ for p in parts if p is not None])
+    return torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1, prefetch_factor=4,
+                                       multiprocessing_context=context)
 
 
 def save_state(path: Path, state: dict) -> None:

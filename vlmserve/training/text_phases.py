@@ -15,7 +15,7 @@ import torch
 
 from vlmserve.training.batches import BatchStream, make_batch
 from vlmserve.training.lookup import LOOKUP_LAYERS, LookupProbe
-from vlmserve.training.loop import Run, lr_at, mixed_precision
+from vlmserve.training.loop import Run, batch_loader, lr_at, mixed_precision
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +115,7 @@ def train_text(run: Run, phase: TextPhase, optimizer: torch.optim.Optimizer, val
     # the first text phase keeps the plain seed, so its batches are those of the runs before
     # phases had names (the shipped model's); later phases draw their own
     seed = str(args.seed) if phase.name == "vlm" else f"{args.seed}-{phase.name}"
-    loader = torch.utils.data.DataLoader(BatchStream(run.processor, seed, state["step"], args.batch_size, phase.mix),
-                                         batch_size=None, num_workers=1, prefetch_factor=4)
+    loader = batch_loader(BatchStream(run.processor, seed, state["step"], args.batch_size, phase.mix), run.processor)
     model.train()
     last_save, t0, start, ema = time.time(), time.time(), state["step"], {}
     step = start

@@ -15,7 +15,7 @@ import time
 import torch
 
 from vlmserve.training import recipe, shapes
-from vlmserve.training.loop import Run, lr_at, mixed_precision
+from vlmserve.training.loop import Run, batch_loader, lr_at, mixed_precision
 from vlmserve.training.visual_labels import (CELL_CLASSES, cell_labels, clip_pixels, clip_view, sample_video,
                                              token_cells)
 
@@ -157,7 +157,7 @@ def train_vision(run: Run, phase: VisionPhase, optimizer: torch.optim.Optimizer)
     batches = (CellBatches(run.processor, args.seed, state["step"], args.vision_batch_size, phase.steps)
                if phase.name == "vision"
                else ClipBatches(run.processor, args.seed, state["step"], args.vision_batch_size))
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=1, prefetch_factor=4)
+    loader = batch_loader(batches, run.processor)
     run.model.train()
     last_save, t0, start = time.time(), time.time(), state["step"]
     step = start
