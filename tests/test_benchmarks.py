@@ -58,6 +58,11 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "kv_cache_drift.py": (["--pictures", "2", "--videos", "2", "--layers", "1", "--tokens", "4"],
                           r"fp8 +KV: +[0-9]+ blocks[\s\S]*greedy answers the same: [0-9]+/[0-9]+[\s\S]*"
                           r"fp8 KV [0-9]+ \(2\.00x\)[\s\S]*fp8 KV against bf16 KV: prompt tokens"),
+    # a picture evicted from the device cache comes back from the host tier (3B widths at one layer)
+    "bench_kv_offloading.py": (["--layers", "1", "--side", "224", "--rounds", "1", "--host-gb", "0.1"],
+                               r"recompute +first token: median [0-9.]+ s, cached tokens 0\n"
+                               r"host tier +first token: median [0-9.]+ s, cached tokens [1-9][0-9]*\n[\s\S]*"
+                               r"host tier / recompute: [0-9.]+x"),
     # the shipped model, bf16 against int8 and int4 at load, taking turns in one process
     "bench_quantized_decode.py": (["--model", str(SHIPPED_MODEL), "--rounds", "2", "--tokens", "5"],
                                   r"round 2: bf16 [0-9.]+ tok/s \(1.00x\), int8 [0-9.]+ tok/s \([0-9.]+x\), int4 [\s\S]*"

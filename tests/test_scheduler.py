@@ -325,6 +325,9 @@ def test_a_picture_two_requests_need_is_encoded_when_the_first_is_preempted():
     assert so.num_scheduled_tokens == {"a": 10, "b": 10}
     so = sched.schedule()
     assert [r.request_id for r in sched.waiting] == ["a"] and sched.num_preemptions == 1  # A made room for B
+    # A was scheduled first in this step, its blocks hashed for it: taken out, they hold nothing to hit
+    cached = {key[0] for key in sched.kv_cache_manager.block_pool.cached_blocks}
+    assert not cached & set(a.block_hashes[22 // BS:]) and set(a.block_hashes[:22 // BS]) <= cached
     assert so.scheduled_encoder_inputs == {"b": [0]}  # X is still encoded, now for B
     sched.update_from_output(so, runner.execute(so))  # the runner asserts B's tokens find X
     run_to_completion(sched, runner)

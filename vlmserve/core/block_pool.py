@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vlmserve.core.kv_cache_utils import BlockHash
@@ -81,7 +81,10 @@ class BlockPool:
     go, pads block tables, and is never cached or freed.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Callable[[int, BlockHashWithGroup], None] | None = None) -> None:
+        """on_evict(block id, its key): told of each cached block given to new content
+        before it is (a host tier keeps a copy)."""
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -89,6 +92,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHashWithGroup, KVCacheBlock] = {}
+        self.on_evict = on_evict
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
@@ -104,6 +108,8 @@ class BlockPool:
         """Pops n free blocks (evicting their cached content, LRU first)."""
         blocks = self.free_block_queue.popleft_n(n)
         for block in blocks:
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self.uncache(block)
             block.ref_cnt = 1
         return blocks

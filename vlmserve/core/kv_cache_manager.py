@@ -3,6 +3,8 @@
 Attention groups hold blocks (one manager per group, sharing one block pool); recurrent
 groups hold a state slot per request (`RecurrentStateManager`). A prefix hit needs both:
 the attention blocks of the prefix, and a snapshot of the recurrent state at its end.
+With a host tier (full-attention models), blocks the pool evicts are kept there, and a
+hit goes on past the device's blocks with the host's, copied into new blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
-from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig
+from vlmserve.core.host_kv_tier import HostKVTier, HostTierStats, KVTransfers
+from vlmserve.core.kv_cache_spec import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from vlmserve.core.recurrent_state_manager import RecurrentStateManager, StateHit
 from vlmserve.core.single_type_kv_cache_manager import make_manager
 from vlmserve.core.state_pool import StatePool
@@ -44,6 +47,7 @@ class PrefixHit:
     blocks: list[list[KVCacheBlock]]  # per attention group
     state: StateHit | None  # the recurrent state's snapshot at num_tokens
     group_tokens: list[int]  # what each group (in config order) found alone, for the stats
+    host_blocks: int = 0  # blocks past the device's that the host tier holds (in num_tokens)
 
 
 class KVCacheManager:
@@ -51,7 +55,10 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(config.num_blocks, enable_caching)
+        self.host = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
+        if self.host and not (enable_caching and all(isinstance(g.spec, FullAttentionSpec) for g in config.groups)):
+            raise ValueError("a host KV tier needs prefix caching and only full-attention layers")
+        self.block_pool = BlockPool(config.num_blocks, enable_caching, self.host.save if self.host else None)
         block_sizes = {g.spec.block_size for g in config.groups}
         if len(block_sizes) != 1:
             raise ValueError(f"all KV cache groups must share one block size, got {block_sizes}")
@@ -89,10 +96,23 @@ class KVCacheManager:
                 group_tokens = self._by_group(lengths)
             shortest = min(lengths, default=0)
             if shortest == length:
-                return PrefixHit(length, blocks, state, group_tokens)
+                return self._with_host_blocks(request, PrefixHit(length, blocks, state, group_tokens))
             # a shorter hit in one group bounds all of them; ask every group again, since a
             # sliding-window hit is not simply a prefix of a longer one
             length = shortest
+
+    def _with_host_blocks(self, request: Request, hit: PrefixHit) -> PrefixHit:
+        """The hit, grown by the blocks after it that the host tier holds for every group
+        (short of the last prompt token)."""
+        if self.host is None:
+            return hit
+        first, last = hit.num_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[first:last]
+        n = min(self.host.find([(h, g) for h in hashes]) for g, _ in self.attention_managers)
+        if n:
+            hit.num_tokens += n * self.block_size
+            hit.host_blocks = n
+        return hit
 
     def longer_hit_next_step(self, request: Request, hit: PrefixHit) -> bool:
         """Whether the request's prefix hit grows once this step ends: a recurrent state
@@ -117,6 +137,9 @@ class KVCacheManager:
         for g, tokens in enumerate(hit.group_tokens):
             self.stats.queries[g] += request.num_tokens
             self.stats.hits[g] += tokens
+        if self.host:
+            self.host.stats.queries += request.num_tokens
+            self.host.stats.hits += hit.host_blocks * self.block_size
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
@@ -145,12 +168,15 @@ class KVCacheManager:
             return None
         if self.states:
             self.states.take_slot(rid, hit.state if hit else None)
+        host_slots = self._reserve_host_blocks(request, hit)
         # every group's hits leave the free queue before any group takes new blocks from
         # it: a hit of one group must not be handed to another as a new block
         for a, (_, manager) in enumerate(self.attention_managers):
             manager.save_new_computed_blocks(rid, hit_blocks[a])
         new_blocks = [[b.block_id for b in manager.allocate_new_blocks(rid, num_slots)]
                       for _, manager in self.attention_managers]
+        for slots, blocks in zip(host_slots, new_blocks):  # the first new blocks take the host's copies
+            self.host.load(slots, blocks[:len(slots)])
         cacheable = min(num_tokens, request.num_tokens)
         if self.enable_caching:
             for _, manager in self.attention_managers:
@@ -159,6 +185,14 @@ class KVCacheManager:
                 self.states.snapshot(request, cacheable)
         self._note_quiet(request, num_computed, cacheable)
         return new_blocks
+
+    def _reserve_host_blocks(self, request: Request, hit: PrefixHit | None) -> list[list[int]]:
+        """Per attention group, the host slots of the hit's host blocks (none: [])."""
+        if hit is None or not hit.host_blocks:
+            return []
+        first = hit.num_tokens // self.block_size - hit.host_blocks
+        hashes = request.block_hashes[first:first + hit.host_blocks]
+        return [self.host.reserve([(h, g) for h in hashes]) for g, _ in self.attention_managers]
 
     def _note_quiet(self, request: Request, num_computed: int, cacheable: int) -> None:
         """Until when the request's next allocations have nothing to do (QuietUntil); none
@@ -195,6 +229,8 @@ class KVCacheManager:
             return False
         if self.states:
             self.states.reset()
+        if self.host:
+            self.host.reset()
         return True
 
     # -- the step ------------------------------------------------------------------------
@@ -207,9 +243,15 @@ class KVCacheManager:
         """The step's (snapshot -> live) restores and (live -> snapshot) saves."""
         return self.states.take_copies() if self.states else ([], [])
 
+    def take_kv_transfers(self) -> KVTransfers:
+        """The step's copies between device blocks and the host tier."""
+        return self.host.take_transfers() if self.host else KVTransfers()
+
     def commit_step(self) -> None:
         if self.states:
             self.states.commit_step()
+        if self.host:
+            self.host.commit_step()
 
     def discard_step(self, computed_before: dict[str, int]) -> None:
         """After a step that failed: what it was to compute must not be hit later.
@@ -220,6 +262,15 @@ class KVCacheManager:
                 manager.forget_from(request_id, num_tokens)
         if self.states:
             self.states.discard_step()
+        if self.host:
+            self.host.discard_unconfirmed()
+
+    def forget_uncomputed(self, request: Request) -> None:
+        """Unregisters the request's blocks past what it has computed: taken out of the
+        step that was to fill them, they hold no valid keys."""
+        self.quiet.pop(request.request_id, None)
+        for _, manager in self.attention_managers:
+            manager.forget_from(request.request_id, request.num_computed_tokens)
 
     # -- views ---------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[list[int]]:
@@ -245,6 +296,18 @@ class KVCacheManager:
 
     def num_state_snapshots(self) -> int:
         return self.states.num_snapshots() if self.states else 0
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        return self.host.stats if self.host else None
+
+    def num_host_blocks_held(self) -> int:
+        return self.host.num_held if self.host else 0
+
+    @property
+    def block_bytes(self) -> int:
+        """A block id's bytes across every attention layer (its tensor slots)."""
+        pages = [g.spec.page_size_bytes for g in self.config.groups if isinstance(g.spec, AttentionSpec)]
+        return max(pages, default=0) * self.config.num_tensor_slots
 
     @property
     def num_free_blocks(self) -> int:

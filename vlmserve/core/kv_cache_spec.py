@@ -118,6 +118,7 @@ class KVCacheConfig:
     groups: list[KVCacheGroup]
     num_state_slots: int = 0  # for recurrent groups: live states plus prefix-cache snapshots
     num_state_snapshots: int = 0  # of those, the most that snapshots hold at once
+    num_host_blocks: int = 0  # the host tier's slots for evicted blocks (--kv-offloading-size)
 
     @property
     def num_tensor_slots(self) -> int:

@@ -179,6 +179,8 @@ class Scheduler:
         encoder budget and encoder inputs are given back."""
         if victim.request_id in plan.num_scheduled:
             self._cancel_encoder_inputs(victim, plan.remove(victim), plan)
+            # its blocks were registered for tokens this step no longer computes
+            self.kv_cache_manager.forget_uncomputed(victim)
         self.running.remove(victim)
         self._preempt(victim)
         plan.preempted.append(victim)
@@ -280,6 +282,7 @@ class Scheduler:
             scheduled_draft_tokens=plan.drafts,
             draft_checkpoints=kv.draft_checkpoints(),
             propose_drafts=self._drafting(),
+            kv_transfers=kv.take_kv_transfers(),
         )
         self.finished_req_ids = set()
         # progress is counted at schedule time, so the next step can be planned at once; a
@@ -572,4 +575,13 @@ class Scheduler:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        host = self.kv_cache_manager.host_tier_stats()
+        if host is None:
+            return {}
+        return dict(host_cache_queries=host.queries, host_cache_hits=host.hits, host_blocks_saved=host.blocks_saved,
+                    host_blocks_loaded=host.blocks_loaded, host_blocks_held=self.kv_cache_manager.num_host_blocks_held(),
+                    host_block_bytes=self.kv_cache_manager.block_bytes)

@@ -74,6 +74,12 @@ class EngineArgs:
     # v_scale), twice the blocks in the same memory (docs/quantization.md: an FP8 KV cache)
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides --kv-cache-memory-gb for attention blocks
+    # GiB of host memory for KV blocks the cache evicts (vLLM's name; with tensor parallelism,
+    # summed over the ranks): a later request whose prefix they hold, a picture's for one,
+    # copies them back instead of computing it again. Full-attention models (a hybrid's
+    # recurrent states and a sliding window's let-go blocks are not kept); on the CPU a second,
+    # larger pool below the first (docs/kv_offloading.md)
+    kv_offloading_size: float | None = None
     prefix_caching: bool = True  # reuse the KV cache (and recurrent states) of shared prefixes
     # hybrid models: recurrent-state snapshots kept for prefix caching (default: up to a
     # quarter of the KV memory, at most 8 per running request)
@@ -207,6 +213,10 @@ class EngineArgs:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: {' or '.join(KV_CACHE_DTYPES)} (fp8 is float8 "
                               f"e4m3fn; vLLM's fp8_e5m2 is not supported)")
         self.check_parallel()
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ConfigError(f"--kv-offloading-size {self.kv_offloading_size}: GiB of host memory, more than 0")
+        if self.kv_offloading_size and not self.prefix_caching:
+            raise ConfigError("--kv-offloading-size keeps blocks for prefix-cache hits: it needs prefix caching on")
         from vlmserve.reasoning.parsers import REASONING_PARSERS
 
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

@@ -13,8 +13,9 @@ from vlmserve.allocator import keep_freed_memory
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
 from vlmserve.core.kv_cache_manager import KVCacheManager
-from vlmserve.core.kv_cache_spec import (AttentionSpec, KVCacheConfig, KVCacheGroup, blocks_for_memory, group_layers,
-                                         kv_cache_dtype, state_slot_bytes, with_kv_cache_dtype)
+from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroup,
+                                         blocks_for_memory, group_layers, kv_cache_dtype, state_slot_bytes,
+                                         with_kv_cache_dtype)
 from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.distributed import SINGLE
@@ -353,7 +354,28 @@ def kv_cache_config(args: EngineArgs, groups, max_num_seqs: int, num_drafts: int
     draft_block_bytes = sum(len(g.layer_ids) * g.spec.page_size_bytes for g in draft_groups
                             if isinstance(g.spec, AttentionSpec))
     num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget, draft_block_bytes)
-    return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots, num_state_snapshots=snapshots)
+    return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots, num_state_snapshots=snapshots,
+                         num_host_blocks=host_blocks(args, groups, draft_groups))
+
+
+def host_blocks(args: EngineArgs, groups, draft_groups=()) -> int:
+    """The host tier's slots (--kv-offloading-size, shared by the ranks): a block of every
+    attention layer each."""
+    if not args.kv_offloading_size:
+        return 0
+    kinds = {type(g.spec).__name__ for g in groups if not isinstance(g.spec, FullAttentionSpec)}
+    if kinds:
+        raise ConfigError(f"--kv-offloading-size: this model has {' and '.join(sorted(kinds))} layers, whose state a "
+                          f"host copy of its attention blocks does not hold; the host tier takes full-attention "
+                          f"models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+    if draft_groups:
+        raise ConfigError("--kv-offloading-size: a draft model's KV blocks are not kept in the host tier; use it "
+                          "without a draft model (n-gram speculation works)")
+    block_bytes = max(g.spec.page_size_bytes for g in groups) * max(len(g.layer_ids) for g in groups)
+    per_rank = args.kv_offloading_size * (1 << 30) / args.tensor_parallel_size
+    num = max(1, int(per_rank // block_bytes))
+    logger.info("host KV tier: %d blocks of %.2f MB (%.2f GiB a rank)", num, block_bytes / 1e6, per_rank / (1 << 30))
+    return num
 
 
 def fits_alone(kv_config: KVCacheConfig, num_tokens: int, query_len: int) -> bool:

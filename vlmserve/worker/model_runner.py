@@ -21,6 +21,7 @@ from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.cuda_graphs import CudaGraphs, GraphInputs
 from vlmserve.worker.device_queue import DeviceQueue
 from vlmserve.worker.encoder_runner import EncoderRunner
+from vlmserve.worker.host_kv_store import HostKVStore
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.pooler import pool
@@ -64,6 +65,7 @@ class ModelRunner:
         self.groups = kv_cache_config.groups
         self.block_size = self.groups[0].spec.block_size
         self.kv_caches = self._allocate_kv_caches()
+        self.host_kv = self._host_kv_store()
         # the attention groups hold block tables (in the order the scheduler lists them);
         # recurrent groups use each request's one state slot
         attention_groups = [g for g in self.groups if isinstance(g.spec, AttentionSpec)]
@@ -119,6 +121,14 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
+    def _host_kv_store(self) -> HostKVStore | None:
+        """The host tier's memory (--kv-offloading-size), over every attention cache tensor."""
+        if not self.kv_cache_config.num_host_blocks:
+            return None
+        layers = [layer for g in self.groups if isinstance(g.spec, AttentionSpec) for layer in g.layer_ids]
+        tensors = list({id(t): t for layer in layers for t in self.kv_caches[layer]}.values())
+        return HostKVStore(tensors, self.kv_cache_config.num_host_blocks)
+
     def shutdown(self) -> None:
         self.queue.close()
 
@@ -153,6 +163,8 @@ class ModelRunner:
         with self.timer.phase("runner: inputs"), torch.inference_mode():
             self._update_states(so)
             if so.total_num_scheduled_tokens == 0:
+                if so.kv_transfers:  # blocks evicted by a request preempted in the same step: still kept
+                    self.queue.submit(lambda: self.host_kv.apply(so.kv_transfers))
                 return PendingStep(self, None, None)
             prepared = self._prepare(so, grammar)
         if not self.queue.threaded:  # the device work runs here and now: timed as such
@@ -196,6 +208,9 @@ class ModelRunner:
         timer = PhaseTimer(self.timer.enabled)  # this thread's: merged in by the host with the output
         with use_kernels(self.kernels), torch.inference_mode():
             so, step = p.so, p.step
+            if so.kv_transfers:
+                with timer.phase("device: host KV copies"):
+                    self.host_kv.apply(so.kv_transfers)
             with timer.phase("device: encoder"):
                 self.encoder.run(p.encode, so.free_encoder_mm_hashes)
             with timer.phase("device: forward"):

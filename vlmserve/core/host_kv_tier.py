@@ -1,0 +1,132 @@
+"""A host-memory tier under the device's prefix cache (vLLM's --kv-offloading-size).
+
+A block the device cache evicts is copied to a host slot under its hash; a later request
+whose prefix it holds gets it copied back into a new device block instead of computing
+it again. The hashes are the prefix cache's (pictures, adapter and cache salt included), so
+a slot is only ever read for the same tokens and pictures.
+
+Bookkeeping only: the runner moves the bytes (worker/host_kv_store.py), as each step's
+KVTransfers say, before the step's forward: its saves first (an evicted block may be a
+load's target in the same step), then its loads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from vlmserve.core.block_pool import BlockHashWithGroup
+
+
+@dataclass
+class KVTransfers:
+    """One step's copies between device blocks and host slots."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+@dataclass
+class HostTierStats:
+    """Cumulative. Queries and hits in prompt tokens (vLLM's external prefix cache)."""
+
+    queries: int = 0
+    hits: int = 0
+    blocks_saved: int = 0
+    blocks_loaded: int = 0
+
+
+class HostKVTier:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host KV tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_of: OrderedDict[BlockHashWithGroup, int] = OrderedDict()  # least recently used first
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.step = KVTransfers()  # what the step being scheduled copies
+        self.reading: set[int] = set()  # slots its loads read: none of its saves may take them
+        self.saved_now: list[BlockHashWithGroup] = []
+        # the keys saved by each step scheduled but not ended: a failed step's computed
+        # blocks may have been evicted (and saved) before its failure was known
+        self.unconfirmed: deque[list[BlockHashWithGroup]] = deque()
+        self.stats = HostTierStats()
+
+    def find(self, keys: list[BlockHashWithGroup]) -> int:
+        """How many of keys, from the first, the tier holds (nothing is touched)."""
+        n = 0
+        while n < len(keys) and keys[n] in self.slot_of:
+            n += 1
+        return n
+
+    def reserve(self, keys: list[BlockHashWithGroup]) -> list[int]:
+        """The slots of keys (all held: find() said so this step), kept from this step's
+        saves: the device blocks they go to are allocated next, and may evict others."""
+        slots = []
+        for key in keys:
+            self.slot_of.move_to_end(key)
+            slots.append(self.slot_of[key])
+        self.reading.update(slots)
+        return slots
+
+    def load(self, slots: list[int], device_blocks: list[int]) -> None:
+        """Copies reserved slots into device blocks before the step's forward."""
+        self.step.loads.extend(zip(slots, device_blocks, strict=True))
+        self.stats.blocks_loaded += len(slots)
+
+    def save(self, device_block: int, key: BlockHashWithGroup) -> None:
+        """Keeps an evicted device block (the block pool calls this as it evicts): copied to
+        the least recently used slot, unless the tier holds it already."""
+        if key in self.slot_of:
+            self.slot_of.move_to_end(key)
+            return
+        slot = self._take_slot()
+        if slot is None:  # every slot is read by this step's loads
+            return
+        self.slot_of[key] = slot
+        self.step.saves.append((device_block, slot))
+        self.saved_now.append(key)
+        self.stats.blocks_saved += 1
+
+    def _take_slot(self) -> int | None:
+        if self.free_slots:
+            return self.free_slots.pop()
+        for key, slot in self.slot_of.items():
+            if slot not in self.reading:
+                del self.slot_of[key]
+                return slot
+        return None
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies of the step just scheduled; the next step's start empty."""
+        transfers, self.step = self.step, KVTransfers()
+        self.reading.clear()
+        self.unconfirmed.append(self.saved_now)
+        self.saved_now = []
+        return transfers
+
+    def commit_step(self) -> None:
+        """The oldest step in flight ended: what it saved holds what it should."""
+        if self.unconfirmed:
+            self.unconfirmed.popleft()
+
+    def discard_unconfirmed(self) -> None:
+        """A step failed: forget what the steps in flight saved."""
+        for keys in self.unconfirmed:
+            for key in keys:
+                slot = self.slot_of.pop(key, None)
+                if slot is not None:
+                    self.free_slots.append(slot)
+        self.unconfirmed.clear()
+
+    def reset(self) -> None:
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.unconfirmed.clear()
+        self.saved_now = []
+
+    @property
+    def num_held(self) -> int:
+        return len(self.slot_of)
