@@ -86,9 +86,9 @@ def main() -> None:
     medians = {n: statistics.median(t) for n, t in times.items()}
     for name in engines:
         print(f"{name:<10} first token: median {medians[name]:.3f} s, cached tokens {statistics.median(cached[name]):.0f}")
-    loaded = host.host_blocks_loaded * host.host_block_bytes
-    print(f"host tier: {host.host_blocks_saved} blocks saved, {host.host_blocks_loaded} loaded "
-          f"({loaded / 1e6:.0f} MB back over {args.rounds + 0} returns), {host.host_blocks_held} held")
+    loaded = host.connector_blocks_loaded * host.connector_block_bytes
+    print(f"host tier: {host.connector_blocks_saved} blocks saved, {host.connector_blocks_loaded} loaded "
+          f"({loaded / 1e6:.0f} MB back over {args.rounds + 0} returns), {host.connector_blocks_held} held")
     print(f"host tier / recompute: {medians['recompute'] / medians['host tier']:.1f}x faster to the first token")
 
 

@@ -50,8 +50,8 @@ def test_evicted_picture_blocks_come_back_from_the_host_tier(full_attention_path
     prompt_blocks = (first.num_prompt_tokens - 1) // 16
     shared = next(i for i, (x, y) in enumerate(zip(first.prompt_token_ids, again.prompt_token_ids)) if x != y)
     assert again.num_cached_tokens == shared // 16 * 16 >= 3 * 16  # the picture's blocks (the questions differ)
-    assert stats.host_cache_hits == again.num_cached_tokens and stats.host_blocks_loaded == shared // 16
-    assert stats.host_blocks_saved >= prompt_blocks and stats.host_blocks_held >= prompt_blocks
+    assert stats.connector_hits == again.num_cached_tokens and stats.connector_blocks_loaded == shared // 16
+    assert stats.connector_blocks_saved >= prompt_blocks and stats.connector_blocks_held >= prompt_blocks
     got = again.outputs[0]
     assert got.token_ids == expected.token_ids
     for a, b in zip(got.logprobs, expected.logprobs):
@@ -62,9 +62,9 @@ def test_evicted_picture_blocks_come_back_from_the_host_tier(full_attention_path
 def test_a_reset_forgets_the_host_tier_too(full_attention_path):
     llm = LLM(full_attention_path, num_kv_blocks=BLOCKS, dtype="float32", kv_offloading_size=0.01)
     ask_then_evict(llm)
-    assert llm.engine.stats().host_blocks_held > 0
+    assert llm.engine.stats().connector_blocks_held > 0
     assert llm.engine.reset_caches()
-    assert llm.engine.stats().host_blocks_held == 0
+    assert llm.engine.stats().connector_blocks_held == 0
     assert llm.chat(picture_chat(0), GREEDY)[0].num_cached_tokens == 0
 
 
@@ -88,19 +88,19 @@ def test_what_the_host_tier_cannot_hold_is_refused(case, qwen25_path, qwen35_pat
 def test_the_tier_keeps_the_latest_and_never_overwrites_what_a_step_reads():
     tier = HostKVTier(2)
     a, b, c = (("a", 0), ("b", 0), ("c", 0))
-    tier.save(10, a)
-    tier.save(11, b)
+    tier.evicted(10, a)
+    tier.evicted(11, b)
     assert tier.take_transfers().saves == [(10, 0), (11, 1)]
     slots = tier.reserve([a])  # a is read this step: the next save evicts b, the least recent other
     tier.load(slots, [20])
-    tier.save(12, c)
+    tier.evicted(12, c)
     transfers = tier.take_transfers()
     assert transfers.loads == [(0, 20)] and transfers.saves == [(12, 1)]
     assert tier.find([a, c]) == 2 and tier.find([b]) == 0
     # a step that failed: what the steps in flight saved is dropped (its blocks held no valid keys)
     tier.commit_step()
     tier.commit_step()
-    tier.save(13, b)  # evicts a, the least recent
+    tier.evicted(13, b)  # evicts a, the least recent
     tier.take_transfers()
     tier.discard_unconfirmed()
     assert tier.find([b]) == 0 and tier.find([a]) == 0 and tier.find([c]) == 1
@@ -127,6 +127,6 @@ def test_the_server_reports_host_tier_hits(full_attention_path):
         again = ask(0, "What is in the picture?")
         assert again.usage.prompt_tokens_details.cached_tokens == 3 * 16  # as in the test above
         assert server.metric("external_prefix_cache_hits_total") == again.usage.prompt_tokens_details.cached_tokens
-        assert server.metric('kv_offload_bytes_total{direction="from_host"}') > 0
+        assert server.metric('kv_connector_bytes_total{direction="load"}') > 0
     finally:
         server.stop()

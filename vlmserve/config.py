@@ -81,3 +81,52 @@ class SpeculativeConfig:
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
         return config
+
+
+MOONCAKE_REQUIRED = ("local_hostname", "metadata_server", "master_server_address")
+MOONCAKE_DEFAULTS = {"protocol": "tcp", "device_name": "", "global_segment_size": 3355443200,
+                     "local_buffer_size": 1073741824}  # vLLM's Mooncake store connector's
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector (vLLM's --kv-transfer-config): a store of KV blocks beyond the cache that
+    engines share. kv_role: kv_both (loads and saves), kv_producer (saves only), kv_consumer
+    (loads only)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict | None = None
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> KVTransferConfig | None:
+        """None when empty; ValueError naming what is wrong."""
+        if not settings:
+            return None
+        known = set(cls.__dataclass_fields__)
+        unknown = set(settings) - known
+        if unknown:
+            raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        config = cls(**settings)
+        if config.kv_connector != "MooncakeStoreConnector":
+            raise ValueError(f"kv_connector {config.kv_connector!r}: vlmserve has \"MooncakeStoreConnector\" (and "
+                             f"--kv-offloading-size for a host tier)")
+        if config.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kv_role {config.kv_role!r}: kv_both, kv_producer or kv_consumer")
+        return config
+
+    def mooncake_settings(self, config_file: str | None) -> dict:
+        """The pool's settings: config_file's (MOONCAKE_CONFIG_PATH), then the extra config's
+        over them; ValueError naming a missing one."""
+        import json
+
+        settings = dict(MOONCAKE_DEFAULTS)
+        if config_file:
+            with open(config_file) as f:
+                settings.update(json.load(f))
+        settings.update(self.kv_connector_extra_config or {})
+        missing = [k for k in MOONCAKE_REQUIRED if not settings.get(k)]
+        if missing:
+            raise ValueError(f"the Mooncake pool needs {', '.join(missing)} (in kv_connector_extra_config or the "
+                             f"JSON file MOONCAKE_CONFIG_PATH names)")
+        return settings

@@ -35,6 +35,9 @@ VARIABLES: dict[str, Callable[[], Any]] = {
     # to spare beside the forward's threads)
     "VLMSERVE_ASYNC_SCHEDULING": lambda: None if os.environ.get("VLMSERVE_ASYNC_SCHEDULING", "").strip() == ""
     else _flag("VLMSERVE_ASYNC_SCHEDULING")(),
+    # vLLM's Mooncake store connector's: a JSON file of the pool's settings (local_hostname,
+    # metadata_server, master_server_address, protocol, global_segment_size, local_buffer_size)
+    "MOONCAKE_CONFIG_PATH": lambda: os.environ.get("MOONCAKE_CONFIG_PATH") or None,
     # huggingface_hub's own: no hub access, checkpoints from the local cache only
     "HF_HUB_OFFLINE": _flag("HF_HUB_OFFLINE"),
     # vLLM's name, so that a vLLM deployment's environment works: the default of

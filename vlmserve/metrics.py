@@ -155,19 +155,19 @@ class _EngineCollector(Collector):
         metric.add_metric(self.values, value)
         return metric
 
-    def _host_tier(self, s: EngineStats):
-        """The host KV tier's (--kv-offloading-size): vLLM's external prefix cache, and its copies."""
-        yield self._shared(CounterMetricFamily, "external_prefix_cache_queries", "Prompt tokens looked up in the host "
-                           "KV tier (--kv-offloading-size).", s.host_cache_queries)
-        yield self._shared(CounterMetricFamily, "external_prefix_cache_hits", "Prompt tokens found in the host KV "
-                           "tier, past the device's prefix-cache hits.", s.host_cache_hits)
-        moved = CounterMetricFamily(PREFIX + "kv_offload_bytes", "KV bytes copied between the cache and the host tier "
-                                    "(each rank's).", labels=["direction"])
-        moved.add_metric(["to_host"], s.host_blocks_saved * s.host_block_bytes)
-        moved.add_metric(["from_host"], s.host_blocks_loaded * s.host_block_bytes)
+    def _connector(self, s: EngineStats):
+        """A KV connector's (a host tier, a shared pool): vLLM's external prefix cache, and its copies."""
+        yield self._shared(CounterMetricFamily, "external_prefix_cache_queries", "Prompt tokens looked up in the KV "
+                           "connector (--kv-offloading-size, --kv-transfer-config).", s.connector_queries)
+        yield self._shared(CounterMetricFamily, "external_prefix_cache_hits", "Prompt tokens the KV connector "
+                           "supplied, past the device's prefix-cache hits.", s.connector_hits)
+        moved = CounterMetricFamily(PREFIX + "kv_connector_bytes", "KV bytes copied to the KV connector's store "
+                                    "(save) and back (load), a rank's.", labels=["direction"])
+        moved.add_metric(["save"], s.connector_blocks_saved * s.connector_block_bytes)
+        moved.add_metric(["load"], s.connector_blocks_loaded * s.connector_block_bytes)
         yield moved
-        yield GaugeMetricFamily(PREFIX + "kv_offload_blocks_held", "KV blocks the host tier holds.",
-                                value=s.host_blocks_held)
+        yield GaugeMetricFamily(PREFIX + "kv_connector_blocks_held", "KV blocks the connector holds (a host tier's; "
+                                "a shared pool's are not counted here).", value=s.connector_blocks_held)
 
     def collect(self):
         s = self.stats()
@@ -188,7 +188,7 @@ class _EngineCollector(Collector):
                            s.num_draft_tokens)
         yield self._shared(counter, "spec_decode_num_accepted_tokens", "Draft tokens kept (the acceptance rate is "
                            "this over spec_decode_num_draft_tokens).", s.num_accepted_tokens)
-        yield from self._host_tier(s)
+        yield from self._connector(s)
         # vlmserve's own
         blocks = gauge(p + "kv_cache_blocks_in_use", "KV blocks held by requests, per attention group.",
                        labels=["group", "kind"])

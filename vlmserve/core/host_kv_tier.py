@@ -13,46 +13,24 @@ load's target in the same step), then its loads.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockHashWithGroup
+from vlmserve.core.kv_connector import KVConnector, KVTransfers
 
 
-@dataclass
-class KVTransfers:
-    """One step's copies between device blocks and host slots."""
-
-    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
-    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-
-    def __bool__(self) -> bool:
-        return bool(self.saves or self.loads)
-
-
-@dataclass
-class HostTierStats:
-    """Cumulative. Queries and hits in prompt tokens (vLLM's external prefix cache)."""
-
-    queries: int = 0
-    hits: int = 0
-    blocks_saved: int = 0
-    blocks_loaded: int = 0
-
-
-class HostKVTier:
+class HostKVTier(KVConnector):
     def __init__(self, num_slots: int) -> None:
+        super().__init__()
         if num_slots < 1:
             raise ValueError(f"the host KV tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.slot_of: OrderedDict[BlockHashWithGroup, int] = OrderedDict()  # least recently used first
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.step = KVTransfers()  # what the step being scheduled copies
         self.reading: set[int] = set()  # slots its loads read: none of its saves may take them
         self.saved_now: list[BlockHashWithGroup] = []
         # the keys saved by each step scheduled but not ended: a failed step's computed
         # blocks may have been evicted (and saved) before its failure was known
         self.unconfirmed: deque[list[BlockHashWithGroup]] = deque()
-        self.stats = HostTierStats()
 
     def find(self, keys: list[BlockHashWithGroup]) -> int:
         """How many of keys, from the first, the tier holds (nothing is touched)."""
@@ -71,14 +49,9 @@ class HostKVTier:
         self.reading.update(slots)
         return slots
 
-    def load(self, slots: list[int], device_blocks: list[int]) -> None:
-        """Copies reserved slots into device blocks before the step's forward."""
-        self.step.loads.extend(zip(slots, device_blocks, strict=True))
-        self.stats.blocks_loaded += len(slots)
-
-    def save(self, device_block: int, key: BlockHashWithGroup) -> None:
-        """Keeps an evicted device block (the block pool calls this as it evicts): copied to
-        the least recently used slot, unless the tier holds it already."""
+    def evicted(self, device_block: int, key: BlockHashWithGroup) -> None:
+        """Keeps an evicted device block: copied to the least recently used slot, unless the
+        tier holds it already."""
         if key in self.slot_of:
             self.slot_of.move_to_end(key)
             return
@@ -100,20 +73,17 @@ class HostKVTier:
         return None
 
     def take_transfers(self) -> KVTransfers:
-        """The copies of the step just scheduled; the next step's start empty."""
-        transfers, self.step = self.step, KVTransfers()
         self.reading.clear()
         self.unconfirmed.append(self.saved_now)
         self.saved_now = []
-        return transfers
+        return super().take_transfers()
 
     def commit_step(self) -> None:
-        """The oldest step in flight ended: what it saved holds what it should."""
+        """What the oldest step in flight saved holds what it should."""
         if self.unconfirmed:
             self.unconfirmed.popleft()
 
     def discard_unconfirmed(self) -> None:
-        """A step failed: forget what the steps in flight saved."""
         for keys in self.unconfirmed:
             for key in keys:
                 slot = self.slot_of.pop(key, None)

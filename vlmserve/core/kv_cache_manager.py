@@ -3,8 +3,8 @@
 Attention groups hold blocks (one manager per group, sharing one block pool); recurrent
 groups hold a state slot per request (`RecurrentStateManager`). A prefix hit needs both:
 the attention blocks of the prefix, and a snapshot of the recurrent state at its end.
-With a host tier (full-attention models), blocks the pool evicts are kept there, and a
-hit goes on past the device's blocks with the host's, copied into new blocks.
+With a KV connector (a host tier, a shared pool; full-attention models), a hit goes on
+past the device's blocks with the connector's, copied into new blocks.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
-from vlmserve.core.host_kv_tier import HostKVTier, HostTierStats, KVTransfers
+from vlmserve.core.host_kv_tier import HostKVTier
+from vlmserve.core.kv_connector import ConnectorStats, KVConnector, KVTransfers
 from vlmserve.core.kv_cache_spec import AttentionSpec, FullAttentionSpec, KVCacheConfig
+from vlmserve.core.mooncake_pool import MooncakeConnector
 from vlmserve.core.recurrent_state_manager import RecurrentStateManager, StateHit
 from vlmserve.core.single_type_kv_cache_manager import make_manager
 from vlmserve.core.state_pool import StatePool
@@ -47,7 +49,20 @@ class PrefixHit:
     blocks: list[list[KVCacheBlock]]  # per attention group
     state: StateHit | None  # the recurrent state's snapshot at num_tokens
     group_tokens: list[int]  # what each group (in config order) found alone, for the stats
-    host_blocks: int = 0  # blocks past the device's that the host tier holds (in num_tokens)
+    connector_blocks: int = 0  # blocks past the device's that the KV connector supplies (in num_tokens)
+
+
+def make_connector(config: KVCacheConfig) -> KVConnector | None:
+    """The scheduler's side of the KV connector the config names, if any."""
+    if config.pool is not None:
+        return MooncakeConnector(config.pool, block_bytes(config))
+    return HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
+
+
+def block_bytes(config: KVCacheConfig) -> int:
+    """A block id's bytes across every attention layer (its tensor slots)."""
+    pages = [g.spec.page_size_bytes for g in config.groups if isinstance(g.spec, AttentionSpec)]
+    return max(pages, default=0) * config.num_tensor_slots
 
 
 class KVCacheManager:
@@ -55,10 +70,10 @@ class KVCacheManager:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.host = HostKVTier(config.num_host_blocks) if config.num_host_blocks else None
-        if self.host and not (enable_caching and all(isinstance(g.spec, FullAttentionSpec) for g in config.groups)):
-            raise ValueError("a host KV tier needs prefix caching and only full-attention layers")
-        self.block_pool = BlockPool(config.num_blocks, enable_caching, self.host.save if self.host else None)
+        self.connector = connector = make_connector(config)
+        if connector and not (enable_caching and all(isinstance(g.spec, FullAttentionSpec) for g in config.groups)):
+            raise ValueError("a KV connector needs prefix caching and only full-attention layers")
+        self.block_pool = BlockPool(config.num_blocks, enable_caching, connector.evicted if connector else None)
         block_sizes = {g.spec.block_size for g in config.groups}
         if len(block_sizes) != 1:
             raise ValueError(f"all KV cache groups must share one block size, got {block_sizes}")
@@ -96,22 +111,22 @@ class KVCacheManager:
                 group_tokens = self._by_group(lengths)
             shortest = min(lengths, default=0)
             if shortest == length:
-                return self._with_host_blocks(request, PrefixHit(length, blocks, state, group_tokens))
+                return self._with_connector_blocks(request, PrefixHit(length, blocks, state, group_tokens))
             # a shorter hit in one group bounds all of them; ask every group again, since a
             # sliding-window hit is not simply a prefix of a longer one
             length = shortest
 
-    def _with_host_blocks(self, request: Request, hit: PrefixHit) -> PrefixHit:
-        """The hit, grown by the blocks after it that the host tier holds for every group
-        (short of the last prompt token)."""
-        if self.host is None:
+    def _with_connector_blocks(self, request: Request, hit: PrefixHit) -> PrefixHit:
+        """The hit, grown by the blocks after it that the KV connector supplies for every
+        group (short of the last prompt token)."""
+        if self.connector is None:
             return hit
         first, last = hit.num_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[first:last]
-        n = min(self.host.find([(h, g) for h in hashes]) for g, _ in self.attention_managers)
+        n = min(self.connector.find([(h, g) for h in hashes]) if hashes else 0 for g, _ in self.attention_managers)
         if n:
             hit.num_tokens += n * self.block_size
-            hit.host_blocks = n
+            hit.connector_blocks = n
         return hit
 
     def longer_hit_next_step(self, request: Request, hit: PrefixHit) -> bool:
@@ -137,9 +152,9 @@ class KVCacheManager:
         for g, tokens in enumerate(hit.group_tokens):
             self.stats.queries[g] += request.num_tokens
             self.stats.hits[g] += tokens
-        if self.host:
-            self.host.stats.queries += request.num_tokens
-            self.host.stats.hits += hit.host_blocks * self.block_size
+        if self.connector:
+            self.connector.stats.queries += request.num_tokens
+            self.connector.stats.hits += hit.connector_blocks * self.block_size
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
@@ -168,31 +183,33 @@ class KVCacheManager:
             return None
         if self.states:
             self.states.take_slot(rid, hit.state if hit else None)
-        host_slots = self._reserve_host_blocks(request, hit)
+        sources = self._reserve_connector_blocks(request, hit)
         # every group's hits leave the free queue before any group takes new blocks from
         # it: a hit of one group must not be handed to another as a new block
         for a, (_, manager) in enumerate(self.attention_managers):
             manager.save_new_computed_blocks(rid, hit_blocks[a])
         new_blocks = [[b.block_id for b in manager.allocate_new_blocks(rid, num_slots)]
                       for _, manager in self.attention_managers]
-        for slots, blocks in zip(host_slots, new_blocks):  # the first new blocks take the host's copies
-            self.host.load(slots, blocks[:len(slots)])
+        for group_sources, blocks in zip(sources, new_blocks):  # the first new blocks take the connector's
+            self.connector.load(group_sources, blocks[:len(group_sources)])
         cacheable = min(num_tokens, request.num_tokens)
         if self.enable_caching:
-            for _, manager in self.attention_managers:
-                manager.cache_blocks(request, cacheable)
+            for g, manager in self.attention_managers:
+                filled = manager.cache_blocks(request, cacheable)
+                if self.connector and filled:
+                    self.connector.computed([b.block_id for b, _ in filled], [(h, g) for _, h in filled])
             if self.states:
                 self.states.snapshot(request, cacheable)
         self._note_quiet(request, num_computed, cacheable)
         return new_blocks
 
-    def _reserve_host_blocks(self, request: Request, hit: PrefixHit | None) -> list[list[int]]:
-        """Per attention group, the host slots of the hit's host blocks (none: [])."""
-        if hit is None or not hit.host_blocks:
+    def _reserve_connector_blocks(self, request: Request, hit: PrefixHit | None) -> list[list]:
+        """Per attention group, where the hit's connector blocks come from (none: [])."""
+        if hit is None or not hit.connector_blocks:
             return []
-        first = hit.num_tokens // self.block_size - hit.host_blocks
-        hashes = request.block_hashes[first:first + hit.host_blocks]
-        return [self.host.reserve([(h, g) for h in hashes]) for g, _ in self.attention_managers]
+        first = hit.num_tokens // self.block_size - hit.connector_blocks
+        hashes = request.block_hashes[first:first + hit.connector_blocks]
+        return [self.connector.reserve([(h, g) for h in hashes]) for g, _ in self.attention_managers]
 
     def _note_quiet(self, request: Request, num_computed: int, cacheable: int) -> None:
         """Until when the request's next allocations have nothing to do (QuietUntil); none
@@ -229,8 +246,8 @@ class KVCacheManager:
             return False
         if self.states:
             self.states.reset()
-        if self.host:
-            self.host.reset()
+        if self.connector:
+            self.connector.reset()
         return True
 
     # -- the step ------------------------------------------------------------------------
@@ -244,14 +261,14 @@ class KVCacheManager:
         return self.states.take_copies() if self.states else ([], [])
 
     def take_kv_transfers(self) -> KVTransfers:
-        """The step's copies between device blocks and the host tier."""
-        return self.host.take_transfers() if self.host else KVTransfers()
+        """The step's copies between device blocks and the KV connector."""
+        return self.connector.take_transfers() if self.connector else KVTransfers()
 
     def commit_step(self) -> None:
         if self.states:
             self.states.commit_step()
-        if self.host:
-            self.host.commit_step()
+        if self.connector:
+            self.connector.commit_step()
 
     def discard_step(self, computed_before: dict[str, int]) -> None:
         """After a step that failed: what it was to compute must not be hit later.
@@ -262,8 +279,8 @@ class KVCacheManager:
                 manager.forget_from(request_id, num_tokens)
         if self.states:
             self.states.discard_step()
-        if self.host:
-            self.host.discard_unconfirmed()
+        if self.connector:
+            self.connector.discard_unconfirmed()
 
     def forget_uncomputed(self, request: Request) -> None:
         """Unregisters the request's blocks past what it has computed: taken out of the
@@ -297,17 +314,11 @@ class KVCacheManager:
     def num_state_snapshots(self) -> int:
         return self.states.num_snapshots() if self.states else 0
 
-    def host_tier_stats(self) -> HostTierStats | None:
-        return self.host.stats if self.host else None
+    def connector_stats(self) -> ConnectorStats | None:
+        return self.connector.stats if self.connector else None
 
-    def num_host_blocks_held(self) -> int:
-        return self.host.num_held if self.host else 0
-
-    @property
-    def block_bytes(self) -> int:
-        """A block id's bytes across every attention layer (its tensor slots)."""
-        pages = [g.spec.page_size_bytes for g in self.config.groups if isinstance(g.spec, AttentionSpec)]
-        return max(pages, default=0) * self.config.num_tensor_slots
+    def num_connector_blocks_held(self) -> int:
+        return self.connector.num_held if self.connector else 0
 
     @property
     def num_free_blocks(self) -> int:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vlmserve.config import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from vlmserve.core.mooncake_pool import PoolSettings
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ class KVCacheConfig:
     num_state_slots: int = 0  # for recurrent groups: live states plus prefix-cache snapshots
     num_state_snapshots: int = 0  # of those, the most that snapshots hold at once
     num_host_blocks: int = 0  # the host tier's slots for evicted blocks (--kv-offloading-size)
+    pool: PoolSettings | None = None  # a Mooncake pool shared by engines (--kv-transfer-config)
 
     @property
     def num_tensor_slots(self) -> int:

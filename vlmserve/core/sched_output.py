@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmserve.core.host_kv_tier import KVTransfers
+from vlmserve.core.kv_connector import KVTransfers
 from vlmserve.lora.request import LoRARequest
 from vlmserve.multimodal.inputs import MultiModalFeature
 from vlmserve.outputs import LogprobsEntry
@@ -71,7 +71,7 @@ class SchedulerOutput:
     # the requests that sample a token this step (until their output comes back, the next
     # step sees it as a placeholder)
     sampling_req_ids: set[str] = field(default_factory=set)
-    # copies between device blocks and the host tier, made before the forward
+    # copies between device blocks and the KV connector's store (core/kv_connector.py)
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
 
@@ -133,11 +133,11 @@ class SchedulerStats:
     num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
     num_draft_tokens: int  # ... draft tokens checked
     num_accepted_tokens: int  # ... and kept
-    # the host tier (--kv-offloading-size): prompt tokens looked up in it and found (past the
-    # device's hits), blocks copied to it and back (cumulative), blocks it holds now
-    host_cache_queries: int = 0
-    host_cache_hits: int = 0
-    host_blocks_saved: int = 0
-    host_blocks_loaded: int = 0
-    host_blocks_held: int = 0
-    host_block_bytes: int = 0  # of one block, every attention layer's keys and values (a rank's)
+    # the KV connector (a host tier, a shared pool): prompt tokens looked up in it and found
+    # (past the device's hits), blocks copied to it and back (cumulative), blocks it holds now
+    connector_queries: int = 0
+    connector_hits: int = 0
+    connector_blocks_saved: int = 0
+    connector_blocks_loaded: int = 0
+    connector_blocks_held: int = 0
+    connector_block_bytes: int = 0  # of one block, every attention layer's keys and values (a rank's)

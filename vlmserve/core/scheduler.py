@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
-from vlmserve.core.kv_cache_manager import KVCacheManager
+from vlmserve.core.kv_cache_manager import KVCacheManager, block_bytes
 from vlmserve.core.request_queue import WaitingQueue
 from vlmserve.core.sched_output import (
     CachedRequestData,
@@ -575,13 +575,15 @@ class Scheduler:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            **self._host_tier_stats(),
+            **self._connector_stats(),
         )
 
-    def _host_tier_stats(self) -> dict[str, int]:
-        host = self.kv_cache_manager.host_tier_stats()
-        if host is None:
+    def _connector_stats(self) -> dict[str, int]:
+        kv = self.kv_cache_manager
+        stats = kv.connector_stats()
+        if stats is None:
             return {}
-        return dict(host_cache_queries=host.queries, host_cache_hits=host.hits, host_blocks_saved=host.blocks_saved,
-                    host_blocks_loaded=host.blocks_loaded, host_blocks_held=self.kv_cache_manager.num_host_blocks_held(),
-                    host_block_bytes=self.kv_cache_manager.block_bytes)
+        return dict(connector_queries=stats.queries, connector_hits=stats.hits,
+                    connector_blocks_saved=stats.blocks_saved, connector_blocks_loaded=stats.blocks_loaded,
+                    connector_blocks_held=kv.num_connector_blocks_held(),
+                    connector_block_bytes=block_bytes(kv.config))

@@ -53,16 +53,17 @@ class SingleTypeKVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> list[tuple[KVCacheBlock, BlockHash]]:
+        """Registers the request's blocks full at num_tokens; returns the ones new to it."""
         num_cached = self.num_cached_block[request.request_id]
         num_full = num_tokens // self.block_size
         if num_full <= num_cached:
-            return
-        blocks = self.req_to_blocks[request.request_id]
-        self.block_pool.cache_full_blocks(
-            blocks[num_cached:num_full], request.block_hashes[num_cached:num_full], self.group_id
-        )
+            return []
+        blocks = self.req_to_blocks[request.request_id][num_cached:num_full]
+        hashes = request.block_hashes[num_cached:num_full]
+        self.block_pool.cache_full_blocks(blocks, hashes, self.group_id)
         self.num_cached_block[request.request_id] = num_full
+        return list(zip(blocks, hashes))
 
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vlmserve import envs
-from vlmserve.config import KV_CACHE_DTYPES, SpeculativeConfig
+from vlmserve.config import KV_CACHE_DTYPES, KVTransferConfig, SpeculativeConfig
 from vlmserve.errors import ConfigError
 from vlmserve.multimodal.media import MediaLimits
 from vlmserve.structured_output.schema import GrammarLimits
@@ -80,6 +80,11 @@ class EngineArgs:
     # recurrent states and a sliding window's let-go blocks are not kept); on the CPU a second,
     # larger pool below the first (docs/kv_offloading.md)
     kv_offloading_size: float | None = None
+    # JSON, as vLLM takes it: {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+    # "kv_connector_extra_config": {...}}: KV blocks shared through a Mooncake pool by every
+    # engine on it (its settings there or in the JSON file MOONCAKE_CONFIG_PATH names;
+    # docs/kv_offloading.md); full-attention models, one rank
+    kv_transfer_config: dict[str, Any] = field(default_factory=dict)
     prefix_caching: bool = True  # reuse the KV cache (and recurrent states) of shared prefixes
     # hybrid models: recurrent-state snapshots kept for prefix caching (default: up to a
     # quarter of the KV memory, at most 8 per running request)
@@ -215,6 +220,8 @@ class EngineArgs:
         self.check_parallel()
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ConfigError(f"--kv-offloading-size {self.kv_offloading_size}: GiB of host memory, more than 0")
+        if self.kv_transfer() and not self.prefix_caching:
+            raise ConfigError("--kv-transfer-config shares blocks for prefix-cache hits: it needs prefix caching on")
         if self.kv_offloading_size and not self.prefix_caching:
             raise ConfigError("--kv-offloading-size keeps blocks for prefix-cache hits: it needs prefix caching on")
         from vlmserve.reasoning.parsers import REASONING_PARSERS
@@ -230,6 +237,13 @@ class EngineArgs:
         if self.mm_encoder_tp_mode != "data":
             raise ConfigError(f"--mm-encoder-tp-mode {self.mm_encoder_tp_mode}: data (each rank encodes a share of "
                               f"the media with the whole tower) is the mode vlmserve has")
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The KV connector's settings (None: none), checked."""
+        try:
+            return KVTransferConfig.from_dict(self.kv_transfer_config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--kv-transfer-config: {e}") from None
 
     def speculative(self) -> SpeculativeConfig | None:
         """The speculative decoding settings (None: off), checked."""

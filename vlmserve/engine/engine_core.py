@@ -3,12 +3,15 @@ how both are built from the engine's settings (model, KV cache budget, context l
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
+from vlmserve import envs
 from vlmserve.allocator import keep_freed_memory
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
@@ -16,6 +19,7 @@ from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroup,
                                          blocks_for_memory, group_layers, kv_cache_dtype, state_slot_bytes,
                                          with_kv_cache_dtype)
+from vlmserve.core.mooncake_pool import PoolSettings
 from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
 from vlmserve.distributed import SINGLE
@@ -271,6 +275,9 @@ def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
     max_num_seqs = running_limit(args, groups, num_drafts, draft_groups)
     kv_config = kv_cache_config(args, groups, max_num_seqs, num_drafts, draft_groups)
+    kv_config.pool = pool_settings(args, hf_config, groups, draft_groups)
+    if kv_config.pool is not None and kv_config.num_host_blocks:
+        raise ConfigError("--kv-offloading-size and --kv-transfer-config: one KV connector at a time")
     # a decode step with drafts computes 1 + k tokens, and a draft model writes past them
     max_model_len = fit_max_model_len(args, hf_config, kv_config, 1 + num_drafts + lookahead)
     max_chunk_tokens = fit_chunk(args.max_num_batched_tokens, kv_config, max_model_len, lookahead)
@@ -363,19 +370,45 @@ def host_blocks(args: EngineArgs, groups, draft_groups=()) -> int:
     attention layer each."""
     if not args.kv_offloading_size:
         return 0
-    kinds = {type(g.spec).__name__ for g in groups if not isinstance(g.spec, FullAttentionSpec)}
-    if kinds:
-        raise ConfigError(f"--kv-offloading-size: this model has {' and '.join(sorted(kinds))} layers, whose state a "
-                          f"host copy of its attention blocks does not hold; the host tier takes full-attention "
-                          f"models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
-    if draft_groups:
-        raise ConfigError("--kv-offloading-size: a draft model's KV blocks are not kept in the host tier; use it "
-                          "without a draft model (n-gram speculation works)")
+    check_connector_fits("--kv-offloading-size", groups, draft_groups)
     block_bytes = max(g.spec.page_size_bytes for g in groups) * max(len(g.layer_ids) for g in groups)
     per_rank = args.kv_offloading_size * (1 << 30) / args.tensor_parallel_size
     num = max(1, int(per_rank // block_bytes))
     logger.info("host KV tier: %d blocks of %.2f MB (%.2f GiB a rank)", num, block_bytes / 1e6, per_rank / (1 << 30))
     return num
+
+
+def pool_settings(args: EngineArgs, hf_config, groups, draft_groups=()) -> PoolSettings | None:
+    """The Mooncake pool of --kv-transfer-config: its settings, and the namespace of this
+    model's blocks in it (the model, its KV layout)."""
+    transfer = args.kv_transfer()
+    if transfer is None:
+        return None
+    check_connector_fits("--kv-transfer-config", groups, draft_groups)
+    if args.tensor_parallel_size > 1:
+        raise ConfigError("--kv-transfer-config: a Mooncake pool is not shared under tensor parallelism yet (each "
+                          "rank would keep its own share); use --kv-offloading-size there")
+    try:
+        settings = transfer.mooncake_settings(envs.MOONCAKE_CONFIG_PATH)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--kv-transfer-config: {e}") from None
+    layout = json.dumps([args.model, hf_config.to_json_string(), [(str(g.spec), g.layer_ids) for g in groups]])
+    namespace = "vlmserve-" + hashlib.sha256(layout.encode()).hexdigest()[:16]
+    logger.info("KV blocks shared in the Mooncake pool at %s (%s, %s)", settings["master_server_address"],
+                transfer.kv_role, namespace)
+    return PoolSettings(json.dumps(settings, sort_keys=True), namespace, transfer.kv_role)
+
+
+def check_connector_fits(flag: str, groups, draft_groups) -> None:
+    """A copy of a block's keys and values is all a KV connector keeps: full attention only."""
+    kinds = {type(g.spec).__name__ for g in groups if not isinstance(g.spec, FullAttentionSpec)}
+    if kinds:
+        raise ConfigError(f"{flag}: this model has {' and '.join(sorted(kinds))} layers, whose state a copy of its "
+                          f"attention blocks does not hold; KV offloading takes full-attention models (Qwen2-VL, "
+                          f"Qwen2.5-VL, Qwen3-VL)")
+    if draft_groups:
+        raise ConfigError(f"{flag}: a draft model's KV blocks are not offloaded; use it without a draft model "
+                          f"(n-gram speculation works)")
 
 
 def fits_alone(kv_config: KVCacheConfig, num_tokens: int, query_len: int) -> bool:

@@ -21,7 +21,7 @@ from vlmserve.structured_output.manager import GrammarBitmask
 from vlmserve.worker.cuda_graphs import CudaGraphs, GraphInputs
 from vlmserve.worker.device_queue import DeviceQueue
 from vlmserve.worker.encoder_runner import EncoderRunner
-from vlmserve.worker.host_kv_store import HostKVStore
+from vlmserve.worker.kv_connector_worker import KVConnectorWorker, make_connector_worker
 from vlmserve.worker.input_batch import CachedRequestState, InputBatch
 from vlmserve.worker.lora_slots import LoRASlots
 from vlmserve.worker.pooler import pool
@@ -65,7 +65,8 @@ class ModelRunner:
         self.groups = kv_cache_config.groups
         self.block_size = self.groups[0].spec.block_size
         self.kv_caches = self._allocate_kv_caches()
-        self.host_kv = self._host_kv_store()
+        self.kv_connector = self._kv_connector()
+        self._device_failed = False  # the last step's device work raised: the next one keeps nothing
         # the attention groups hold block tables (in the order the scheduler lists them);
         # recurrent groups use each request's one state slot
         attention_groups = [g for g in self.groups if isinstance(g.spec, AttentionSpec)]
@@ -121,16 +122,16 @@ class ModelRunner:
                 caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
         return caches
 
-    def _host_kv_store(self) -> HostKVStore | None:
-        """The host tier's memory (--kv-offloading-size), over every attention cache tensor."""
-        if not self.kv_cache_config.num_host_blocks:
-            return None
+    def _kv_connector(self) -> KVConnectorWorker | None:
+        """The KV connector's side here (a host tier, a shared pool), over every attention cache."""
         layers = [layer for g in self.groups if isinstance(g.spec, AttentionSpec) for layer in g.layer_ids]
         tensors = list({id(t): t for layer in layers for t in self.kv_caches[layer]}.values())
-        return HostKVStore(tensors, self.kv_cache_config.num_host_blocks)
+        return make_connector_worker(self.kv_cache_config, tensors) if tensors else None
 
     def shutdown(self) -> None:
         self.queue.close()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def load_lora(self, lora: LoRARequest) -> LoRAAdapter:
         """Reads an adapter into memory ahead of its first step (LoRAError if it cannot), in
@@ -164,7 +165,7 @@ class ModelRunner:
             self._update_states(so)
             if so.total_num_scheduled_tokens == 0:
                 if so.kv_transfers:  # blocks evicted by a request preempted in the same step: still kept
-                    self.queue.submit(lambda: self.host_kv.apply(so.kv_transfers))
+                    self.queue.submit(lambda: self.kv_connector.before_forward(so.kv_transfers))
                 return PendingStep(self, None, None)
             prepared = self._prepare(so, grammar)
         if not self.queue.threaded:  # the device work runs here and now: timed as such
@@ -205,17 +206,26 @@ class ModelRunner:
     def _run_on_device(self, p: PreparedStep) -> DeviceOutput:
         """The step's device work, in order after the steps before it: the encoder, the
         forward, sampling; the sampled tokens stay on the device for the next step."""
+        failed_before, self._device_failed = self._device_failed, True  # until this step's work is done
+        out = self._device_work(p, failed_before)
+        self._device_failed = False
+        return out
+
+    def _device_work(self, p: PreparedStep, failed_before: bool) -> DeviceOutput:
         timer = PhaseTimer(self.timer.enabled)  # this thread's: merged in by the host with the output
         with use_kernels(self.kernels), torch.inference_mode():
             so, step = p.so, p.step
             if so.kv_transfers:
-                with timer.phase("device: host KV copies"):
-                    self.host_kv.apply(so.kv_transfers)
+                with timer.phase("device: KV connector copies"):
+                    self.kv_connector.before_forward(so.kv_transfers)
             with timer.phase("device: encoder"):
                 self.encoder.run(p.encode, so.free_encoder_mm_hashes)
             with timer.phase("device: forward"):
                 self.inputs.fill_placeholders(step, self._sampled_on_device)
                 hidden = self._forward(p)
+            if so.kv_transfers.saves_after and not failed_before:  # a step after a failed one ran on what it left
+                with timer.phase("device: KV connector copies"):
+                    self.kv_connector.after_forward(so.kv_transfers)
             with timer.phase("device: sample"):
                 out = DeviceOutput(pooled=pool(self.model, p, hidden), phases=timer.seconds)
                 # the forward gave only the rows read where output_rows said so
