@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import ctypes.util
 import io
 import os
+import subprocess
 
 # No GPU here: the kernel tests define and run the Triton kernels on CPU tensors, in
 # Triton's interpreter, which must be on before they are first defined. VLMSERVE_TEST_DEVICE=cuda
@@ -53,6 +55,28 @@ def gemv_streams(request):
     kernels.set_gemv_streams(request.param)
     yield request.param
     kernels.set_gemv_streams(before)
+
+
+def apt_install(package: str) -> None:
+    """Installs a Debian package the tests need (as root, or through password-less sudo),
+    one test worker at a time (dpkg takes one at a time)."""
+    import fcntl
+
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    with open("/tmp/vlmserve-tests-apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+            done = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.fail(f"{package} is missing and `{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+
+
+def ensure_libibverbs() -> None:
+    """Mooncake's build without CUDA loads Debian's libibverbs1 even for TCP: installed the
+    first time its tests run on a machine."""
+    if not ctypes.util.find_library("ibverbs"):
+        apt_install("libibverbs1")
 
 
 def make_image(width: int, height: int, seed: int) -> Image.Image:

@@ -63,6 +63,10 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
                                r"recompute +first token: median [0-9.]+ s, cached tokens 0\n"
                                r"host tier +first token: median [0-9.]+ s, cached tokens [1-9][0-9]*\n[\s\S]*"
                                r"host tier / recompute: [0-9.]+x"),
+    # two replicas sharing a Mooncake pool against one replica and two without it (3B widths at one layer)
+    "bench_kv_pool.py": (["--pictures", "1", "--side", "224", "--layers", "1"],
+                         r"two replicas, no pool / one replica: cached tokens 0\.0%\n"
+                         r"two replicas, one pool / one replica: cached tokens 100\.0%"),
     # the shipped model, bf16 against int8 and int4 at load, taking turns in one process
     "bench_quantized_decode.py": (["--model", str(SHIPPED_MODEL), "--rounds", "2", "--tokens", "5"],
                                   r"round 2: bf16 [0-9.]+ tok/s \(1.00x\), int8 [0-9.]+ tok/s \([0-9.]+x\), int4 [\s\S]*"
@@ -76,6 +80,10 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
 @pytest.mark.parametrize("name", CASES)
 def test_a_benchmark_runs_and_prints_its_result(name, tmp_path_factory):
     args, expected = CASES[name]
+    if name == "bench_kv_pool.py":
+        from conftest import ensure_libibverbs
+
+        ensure_libibverbs()
     if name == "bench_quantized_kernels.py":
         from vlmserve.kernels.quantized_linear import tiled_kernels_available
 

@@ -5,9 +5,7 @@ with the pool killed, both go on answering."""
 
 from __future__ import annotations
 
-import ctypes.util
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import data_url, make_image
+from conftest import data_url, ensure_libibverbs, make_image
 from test_openai_server import Server, free_port
 from vlmserve import LLM, SamplingParams
 from vlmserve.errors import ConfigError
@@ -26,19 +24,6 @@ from vlmserve.testing.checkpoints import build_qwen2_5_vl
 pytestmark = pytest.mark.slow
 
 BLOCKS = 24
-
-
-def ensure_libibverbs() -> None:
-    """Mooncake's build without CUDA loads Debian's libibverbs1 even for TCP: installed the
-    first time these tests run on a machine (as root, or through password-less sudo)."""
-    if ctypes.util.find_library("ibverbs"):
-        return
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "libibverbs1"]):
-        done = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.fail(f"libibverbs1 is missing and `{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
 
 
 class Master:

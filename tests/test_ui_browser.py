@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import struct
-import subprocess
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +18,7 @@ import pytest
 from PIL import Image, ImageDraw
 from PIL.PngImagePlugin import PngInfo
 
+from conftest import apt_install
 from test_openai_server import Server, free_port
 from vlmserve.testing.checkpoints import build_qwen2_5_vl
 from vlmserve.training.shapes import normalize_answer
@@ -36,16 +35,10 @@ pytestmark = pytest.mark.slow
 
 
 def ensure_chromium() -> None:
-    """Installs Debian's chromium the first time the browser tests run on a machine (as
-    root, or through password-less sudo): `python -m pytest` alone needs nothing else."""
-    if Path(CHROMIUM).exists():
-        return
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        done = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.fail(f"Debian's chromium is missing and `{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+    """Installs Debian's chromium the first time the browser tests run on a machine:
+    `python -m pytest` alone needs nothing else."""
+    if not Path(CHROMIUM).exists():
+        apt_install("chromium")
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,8 @@ whose prefix it holds gets it copied back into a new device block instead of com
 it again. The hashes are the prefix cache's (pictures, adapter and cache salt included), so
 a slot is only ever read for the same tokens and pictures.
 
-Bookkeeping only: the runner moves the bytes (worker/host_kv_store.py), as each step's
-KVTransfers say, before the step's forward: its saves first (an evicted block may be a
-load's target in the same step), then its loads.
+Bookkeeping only (a KVConnector, core/kv_connector.py): the runner moves the bytes
+(worker/kv_connector_worker.py) before each step's forward.
 """
 
 from __future__ import annotations
