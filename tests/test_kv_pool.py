@@ -1,7 +1,7 @@
 """A Mooncake pool of KV blocks shared by engines (--kv-transfer-config): a real
 mooncake_master, two `vlmserve serve` processes on it answering the official client. The
-second gets the first's picture prefix as cached tokens and the tokens a cold engine gives;
-with the pool killed, both go on answering."""
+second gets the first's picture prefix as cached tokens, and its encoder output, and the
+tokens a cold engine gives; with the pool killed, both go on answering."""
 
 from __future__ import annotations
 
@@ -90,11 +90,12 @@ def test_two_servers_share_a_picture_prefix_and_outlive_the_pool(full_attention_
     try:
         assert ask(first, 0, "Describe the image.").usage.prompt_tokens_details.cached_tokens == 0
         deadline = time.time() + 30  # the runner puts blocks on a thread of its own, after the step
-        while master.keys() < 3:
+        while master.keys() < 4:  # 3 blocks the second server reads, and the picture's encoder output
             assert time.time() < deadline, master.keys()
             time.sleep(0.1)
         reply = ask(second, 0, "What is in the picture?")  # the same picture: its blocks come from the pool
         assert reply.usage.prompt_tokens_details.cached_tokens == 3 * 16
+        assert reply.usage.media == {"encoded": 0, "encoder_cache": 1, "prefix_cache": 0}  # not encoded again
         assert reply.choices[0].message.content == expected[(0, "What is in the picture?")]
         assert second.metric("external_prefix_cache_hits_total") == 3 * 16
         assert second.metric('kv_connector_bytes_total{direction="load"}') > 0

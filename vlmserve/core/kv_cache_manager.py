@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vlmserve.core.block_pool import BlockPool, KVCacheBlock
 from vlmserve.core.host_kv_tier import HostKVTier
-from vlmserve.core.kv_connector import ConnectorStats, KVConnector, KVTransfers
+from vlmserve.core.kv_connector import KVConnector, KVTransfers
 from vlmserve.core.kv_cache_spec import AttentionSpec, FullAttentionSpec, KVCacheConfig
 from vlmserve.core.mooncake_pool import MooncakeConnector
 from vlmserve.core.recurrent_state_manager import RecurrentStateManager, StateHit
@@ -260,6 +260,10 @@ class KVCacheManager:
         """The step's (snapshot -> live) restores and (live -> snapshot) saves."""
         return self.states.take_copies() if self.states else ([], [])
 
+    def shared_encoder_output(self, mm_hash: str) -> bytes | None:
+        """A medium's encoder output from the KV connector's store (serialized), if it has one."""
+        return self.connector.encoder_output(mm_hash) if self.connector else None
+
     def take_kv_transfers(self) -> KVTransfers:
         """The step's copies between device blocks and the KV connector."""
         return self.connector.take_transfers() if self.connector else KVTransfers()
@@ -314,11 +318,14 @@ class KVCacheManager:
     def num_state_snapshots(self) -> int:
         return self.states.num_snapshots() if self.states else 0
 
-    def connector_stats(self) -> ConnectorStats | None:
-        return self.connector.stats if self.connector else None
-
-    def num_connector_blocks_held(self) -> int:
-        return self.connector.num_held if self.connector else 0
+    def connector_stats(self) -> dict[str, int]:
+        """The KV connector's numbers, as SchedulerStats names them (none without one)."""
+        if self.connector is None:
+            return {}
+        stats = self.connector.stats
+        return dict(connector_queries=stats.queries, connector_hits=stats.hits,
+                    connector_blocks_saved=stats.blocks_saved, connector_blocks_loaded=stats.blocks_loaded,
+                    connector_blocks_held=self.connector.num_held, connector_block_bytes=block_bytes(self.config))
 
     @property
     def num_free_blocks(self) -> int:

@@ -65,6 +65,10 @@ class KVConnector(ABC):
         self.step.loads.extend(zip(sources, device_blocks, strict=True))
         self.stats.blocks_loaded += len(sources)
 
+    def encoder_output(self, mm_hash: str) -> bytes | None:
+        """A medium's encoder output another engine stored (serialized; None: not there)."""
+        return None
+
     def evicted(self, device_block: int, key: BlockHashWithGroup) -> None:
         """The device cache gives a cached block to new content (its bytes are still there)."""
 

@@ -3,7 +3,9 @@
 
 Blocks a step fills are put in the pool (after the forward, by the runner); a new request's
 prefix hit goes on with blocks any engine on the pool put there, fetched while the request
-is scheduled, so a hit only counts blocks whose bytes are in hand. A pool that is down, or
+is scheduled, so a hit only counts blocks whose bytes are in hand. The media's encoder
+outputs are shared the same way: a picture another engine encoded is not encoded again
+(the tokens of its that a hit leaves to compute need it). A pool that is down, or
 a block gone from it, is a miss: the engine computes the tokens itself and says so in a
 warning (once a minute), never a failed request.
 
@@ -67,6 +69,12 @@ def pool_client(pool: PoolSettings) -> Any | None:
     return _clients[pool.settings_json]
 
 
+def encoder_output_name(pool: PoolSettings, mm_hash: str) -> str:
+    """Where a medium's encoder output is in the pool (its hash covers the pixels and every
+    setting that changes them)."""
+    return f"{pool.namespace}/encoder/{mm_hash}"
+
+
 def _listening(address: str, timeout: float = 3.0) -> bool:
     host, _, port = address.rpartition(":")
     try:
@@ -114,6 +122,17 @@ class MooncakeConnector(KVConnector):
             self.remember(name)
             n += 1
         return n
+
+    def encoder_output(self, mm_hash: str) -> bytes | None:
+        if self.client is None or self.pool.role == "kv_producer":
+            return None
+        name = encoder_output_name(self.pool, mm_hash)
+        try:
+            value = self.client.get_batch([name])[0] if self.client.batch_is_exist([name]) == [1] else None
+        except Exception as e:  # the pool's client raises on a lost connection
+            self.warn(f"looking an encoder output up failed ({type(e).__name__}: {e})")
+            return None
+        return value or None
 
     def reserve(self, keys: list[BlockHashWithGroup]) -> list[bytes]:
         return [self.staged.pop(self.name(k)) for k in keys]

@@ -71,6 +71,9 @@ class SchedulerOutput:
     # the requests that sample a token this step (until their output comes back, the next
     # step sees it as a placeholder)
     sampling_req_ids: set[str] = field(default_factory=set)
+    # of those media, the ones whose output comes from the KV connector's store instead
+    # (mm_hash -> the output, serialized): put in the encoder cache, not encoded
+    encoder_outputs_loaded: dict[str, bytes] = field(default_factory=dict)
     # copies between device blocks and the KV connector's store (core/kv_connector.py)
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 

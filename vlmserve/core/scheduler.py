@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.encoder_cache_manager import EncoderCacheManager
-from vlmserve.core.kv_cache_manager import KVCacheManager, block_bytes
+from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.request_queue import WaitingQueue
 from vlmserve.core.sched_output import (
     CachedRequestData,
@@ -274,6 +274,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=total,
             scheduled_encoder_inputs=plan.encoder_inputs,
+            encoder_outputs_loaded=plan.encoder_loads,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
             free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
@@ -354,21 +355,36 @@ class Scheduler:
             if self.encoder_cache_manager.check_and_update_cache(request, i):
                 request.media_sources.setdefault(i, "encoder_cache")
                 continue
-            if not self.encoder_cache_manager.can_allocate(request, i, plan.encoder_budget - cost):
+            shared = self._shared_encoder_output(request, i)
+            if shared is None and not self.encoder_cache_manager.can_allocate(request, i, plan.encoder_budget - cost):
                 num_new = max(feature.offset - num_computed, 0)
                 break
             self.encoder_cache_manager.allocate(request, i)
             plan.encoding.add(feature.mm_hash)
-            cost += feature.length
             to_encode.append(i)
-            request.media_sources[i] = "encoded"
+            if shared is not None:  # another engine encoded it: loaded, not encoded (no encoder budget)
+                plan.encoder_loads[feature.mm_hash] = shared
+                request.media_sources[i] = "encoder_cache"
+            else:
+                cost += feature.length
+                request.media_sources[i] = "encoded"
         return num_new, to_encode, cost
+
+    def _shared_encoder_output(self, request: Request, input_id: int) -> bytes | None:
+        """A medium's encoder output from the KV connector's store, where the encoder cache has
+        room for it."""
+        feature = request.mm_features[input_id]
+        shared = self.kv_cache_manager.shared_encoder_output(feature.mm_hash)
+        if shared is None or not self.encoder_cache_manager.can_allocate(request, input_id, feature.length):
+            return None
+        return shared
 
     def _cancel_encoder_inputs(self, request: Request, input_ids: list[int], plan: StepPlan) -> None:
         """Undoes _schedule_encoder_inputs for a request that did not make it into the step."""
         for j in input_ids:
             if self.encoder_cache_manager.deallocate(request, j):
                 plan.encoding.discard(request.mm_features[j].mm_hash)
+                plan.encoder_loads.pop(request.mm_features[j].mm_hash, None)
         self.encoder_cache_manager.free(request)  # references taken on cache hits
 
     def discard_step(self, scheduler_output: SchedulerOutput) -> None:
@@ -575,15 +591,5 @@ class Scheduler:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
-            **self._connector_stats(),
+            **kv.connector_stats(),
         )
-
-    def _connector_stats(self) -> dict[str, int]:
-        kv = self.kv_cache_manager
-        stats = kv.connector_stats()
-        if stats is None:
-            return {}
-        return dict(connector_queries=stats.queries, connector_hits=stats.hits,
-                    connector_blocks_saved=stats.blocks_saved, connector_blocks_loaded=stats.blocks_loaded,
-                    connector_blocks_held=kv.num_connector_blocks_held(),
-                    connector_block_bytes=block_bytes(kv.config))

@@ -21,7 +21,8 @@ class StepPlan:
     running: list[Request] = field(default_factory=list)  # running before, scheduled now
     new: list[Request] = field(default_factory=list)  # from the waiting queue
     preempted: list[Request] = field(default_factory=list)
-    encoding: set[str] = field(default_factory=set)  # mm_hashes sent to the encoder
+    encoding: set[str] = field(default_factory=set)  # mm_hashes sent to the encoder (or loaded)
+    encoder_loads: dict[str, bytes] = field(default_factory=dict)  # mm_hash -> its output from a KV connector
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request -> its drafts checked now
 
     def add(self, request: Request, num_new: int, to_encode: list[int], cost: int, blocks: list[list[int]],

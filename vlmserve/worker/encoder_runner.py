@@ -95,27 +95,33 @@ class EncoderRunner:
                 self.lora.touches_vision(state.lora_request) else None
             for i in input_ids:
                 feature = state.mm_features[i]
-                todo.setdefault(feature.mm_hash, (feature, lora))
+                if feature.mm_hash not in so.encoder_outputs_loaded:  # another engine encoded it
+                    todo.setdefault(feature.mm_hash, (feature, lora))
         by_adapter: dict[LoRARequest | None, list[MultiModalFeature]] = {}
         for feature, lora in todo.values():
             by_adapter.setdefault(lora, []).append(feature)
         return list(by_adapter.items())
 
-    def run(self, work: EncoderWork, freed: list[str]) -> None:
-        """Drops the outputs the scheduler let go, then encodes the step's media (device work)."""
+    def run(self, work: EncoderWork, freed: list[str], loaded: dict[str, torch.Tensor] | None = None
+            ) -> dict[str, torch.Tensor]:
+        """Drops the outputs the scheduler let go, takes those another engine made (loaded),
+        then encodes the step's media (device work); returns the outputs it made."""
         for mm_hash in freed:
             self.cache.pop(mm_hash, None)
         if self.proposer:
             self.proposer.free_encoder_outputs(freed)
+        self.cache.update(loaded or {})
+        made: dict[str, torch.Tensor] = {}
         for lora, features in work:
-            self._encode(features, lora)
+            made.update(self._encode(features, lora))
+        return made
 
     def clear(self) -> None:
         self.cache.clear()
         if self.proposer:
             self.proposer.clear_encoder_cache()
 
-    def _encode(self, features: list[MultiModalFeature], lora: LoRARequest | None) -> None:
+    def _encode(self, features: list[MultiModalFeature], lora: LoRARequest | None) -> dict[str, torch.Tensor]:
         if self.lora:
             self.lora.set_all(lora)
         tp = self.model.tp
@@ -139,3 +145,4 @@ class EncoderRunner:
             for group in encoder_calls(features, ENCODER_CALL_TOKENS):
                 self.proposer.encode(group)
         self.runs += len(mine)
+        return {f.mm_hash: self.cache[f.mm_hash] for f in features}

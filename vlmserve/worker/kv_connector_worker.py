@@ -5,6 +5,7 @@ cache lays them out, in layer order."""
 
 from __future__ import annotations
 
+import io
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +13,7 @@ import torch
 
 from vlmserve.core.kv_cache_spec import KVCacheConfig
 from vlmserve.core.kv_connector import KVTransfers
-from vlmserve.core.mooncake_pool import PoolSettings, pool_client
+from vlmserve.core.mooncake_pool import PoolSettings, encoder_output_name, pool_client
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,13 @@ class KVConnectorWorker:
 
     def after_forward(self, transfers: KVTransfers) -> None:
         """The step's saves of the blocks its forward filled."""
+
+    def encoder_outputs(self, loads: dict[str, tuple[bytes, int]]) -> dict[str, torch.Tensor]:
+        """Media outputs another engine made, as the encoder cache keeps them."""
+        raise RuntimeError("this KV connector stores no encoder outputs")
+
+    def encoder_outputs_made(self, outputs: dict[str, torch.Tensor]) -> None:
+        """The step's media outputs, made here."""
 
     def shutdown(self) -> None:
         pass
@@ -81,6 +89,7 @@ class PoolKVStore(KVConnectorWorker):
 
     def __init__(self, kv_caches: list[torch.Tensor], pool: PoolSettings) -> None:
         super().__init__(kv_caches)
+        self.pool = pool
         self.client = pool_client(pool)
         self.putter = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-kv-put")
 
@@ -91,10 +100,29 @@ class PoolKVStore(KVConnectorWorker):
             self.write_blocks(list(blocks), rows)
 
     def after_forward(self, transfers: KVTransfers) -> None:
-        if transfers.saves_after and self.client is not None:
+        if transfers.saves_after and self.client is not None and self.pool.role != "kv_consumer":
             blocks, names = zip(*transfers.saves_after)
             rows = self.read_blocks(list(blocks)).numpy()
             self.putter.submit(self._put, list(names), [row.tobytes() for row in rows])
+
+    def encoder_outputs(self, loads: dict[str, tuple[bytes, int]]) -> dict[str, torch.Tensor]:
+        outputs = {}
+        for mm_hash, (data, rows) in loads.items():
+            out = torch.load(io.BytesIO(data), weights_only=True)  # tensors only: nothing a store could run
+            if not isinstance(out, torch.Tensor) or out.shape[0] != rows:
+                raise RuntimeError(f"the Mooncake pool's encoder output of {mm_hash} is not {rows} embeddings")
+            outputs[mm_hash] = out.to(self.device_caches[0].device)
+        return outputs
+
+    def encoder_outputs_made(self, outputs: dict[str, torch.Tensor]) -> None:
+        if self.client is None or self.pool.role == "kv_consumer":
+            return
+        values = []
+        for out in outputs.values():
+            buf = io.BytesIO()
+            torch.save(out.cpu(), buf)
+            values.append(buf.getvalue())
+        self.putter.submit(self._put, [encoder_output_name(self.pool, h) for h in outputs], values)
 
     def _put(self, names: list[str], values: list[bytes]) -> None:
         try:
@@ -102,8 +130,8 @@ class PoolKVStore(KVConnectorWorker):
         except Exception as e:  # the pool's client raises on a lost connection
             rc = f"{type(e).__name__}: {e}"
         if rc != 0:
-            logger.warning("the Mooncake pool did not take %d KV blocks (%s): other engines compute them", len(names),
-                           rc)
+            logger.warning("the Mooncake pool did not take %d KV blocks or encoder outputs (%s): other engines compute "
+                           "them", len(names), rc)
 
     def shutdown(self) -> None:
         self.putter.shutdown(wait=True)

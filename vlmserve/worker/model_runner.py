@@ -189,6 +189,7 @@ class ModelRunner:
             ctx=None if graph is not None else self.inputs.forward_context(step, self.plan, output_rows=output_rows),
             merge=[] if graph is not None else self.inputs.merge_plan(step),
             encode=self.encoder.plan(so, batch),
+            encode_loads=self._encoder_loads(so, batch),
             loras=[batch.states[row].lora_request for row in step.rows] if self.lora else None,
             sample_req_ids=[step.req_ids[i] for i in read.sample_idx],
             pooling=[(i, batch.states[step.rows[i]]) for i in pooled],
@@ -202,6 +203,15 @@ class ModelRunner:
         # the next step's placeholders: where this step's tokens will be among its sampled ones
         self._sampled_index = {rid: j for j, rid in enumerate(prepared.sample_req_ids)}
         return prepared
+
+    def _encoder_loads(self, so: SchedulerOutput, batch: InputBatch) -> dict[str, tuple[bytes, int]]:
+        """The media outputs the step loads from the KV connector, each with its rows."""
+        if not so.encoder_outputs_loaded:
+            return {}
+        features = [batch.states[batch.index_of[rid]].mm_features[i]
+                    for rid, ids in so.scheduled_encoder_inputs.items() for i in ids]
+        rows = {f.mm_hash: f.length for f in features}
+        return {h: (data, rows[h]) for h, data in so.encoder_outputs_loaded.items()}
 
     def _run_on_device(self, p: PreparedStep) -> DeviceOutput:
         """The step's device work, in order after the steps before it: the encoder, the
@@ -219,7 +229,10 @@ class ModelRunner:
                 with timer.phase("device: KV connector copies"):
                     self.kv_connector.before_forward(so.kv_transfers)
             with timer.phase("device: encoder"):
-                self.encoder.run(p.encode, so.free_encoder_mm_hashes)
+                loaded = self.kv_connector.encoder_outputs(p.encode_loads) if p.encode_loads else None
+                made = self.encoder.run(p.encode, so.free_encoder_mm_hashes, loaded)
+                if made and self.kv_connector is not None and not failed_before:
+                    self.kv_connector.encoder_outputs_made(made)
             with timer.phase("device: forward"):
                 self.inputs.fill_placeholders(step, self._sampled_on_device)
                 hidden = self._forward(p)

@@ -63,6 +63,7 @@ class PreparedStep:
     ctx: ForwardContext | None  # else: the kernels' metadata
     merge: list[MergePiece]  # ... and the media's embeddings merged in
     encode: list[tuple[LoRARequest | None, list[MultiModalFeature]]]  # media encoded first, by adapter
+    encode_loads: dict[str, tuple[bytes, int]]  # media outputs another engine made: (serialized, rows)
     loras: list[LoRARequest | None] | None  # each request's adapter, where LoRA is on
     sample_req_ids: list[str]  # the order of the step's sampled tokens
     pooling: list[tuple[int, CachedRequestState]]  # the embedding requests (their index in the step)
