@@ -130,3 +130,36 @@ def test_settings_the_pool_needs_are_named(full_attention_path, qwen35_path, tmp
     llm = LLM(full_attention_path, num_kv_blocks=BLOCKS, kv_transfer_config={"kv_connector": "MooncakeStoreConnector"})
     assert time.time() - start < 60
     assert llm.generate("a b c", SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_prefill_and_decode_on_different_replicas(full_attention_path):
+    """serve --replicas 1 --prefill-replicas 1 on a local Ray cluster: each request's prompt on
+    the prefill replica, its answer on the decode replica, which reads the prompt's blocks and
+    picture from the pool; the answers are a single engine's, streamed and not."""
+    ensure_libibverbs()
+    expected = cold_tokens(full_attention_path, 2, "Describe the image.")
+    master = Master()
+    server = Server(full_attention_path, "--replicas", "1", "--prefill-replicas", "1", "--replica-cpus", "1",
+                    "--num-kv-blocks", str(BLOCKS), "--dtype", "float32",
+                    "--kv-transfer-config", json.dumps(master.config()), start_timeout=300)
+    try:
+        reply = ask(server, 2, "Describe the image.")
+        assert reply.choices[0].message.content == expected
+        # the decode replica computed the last block's tokens: the rest came from the pool
+        assert reply.usage.prompt_tokens_details.cached_tokens == (reply.usage.prompt_tokens - 1) // 16 * 16 > 0
+        assert reply.usage.media["encoded"] == 0  # the picture neither: its KV (or its encoder output) is in the pool
+        content = [{"type": "image_url", "image_url": {"url": data_url(make_image(280, 252, 2))}},
+                   {"type": "text", "text": "Describe the image."}]
+        stream = server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                         max_tokens=6, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    finally:
+        server.stop()
+        master.kill()
+
+
+def test_prefill_replicas_need_decode_replicas_and_a_pool(full_attention_path):
+    for flags in (["--prefill-replicas", "1"], ["--replicas", "1", "--prefill-replicas", "1"]):
+        done = subprocess.run([sys.executable, "-m", "vlmserve.entrypoints.cli", "serve", "--model",
+                               full_attention_path, *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--prefill-replicas: with --replicas N" in done.stderr, done.stderr

@@ -165,6 +165,10 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("replicas (Ray Serve)")
     r.add_argument("--replicas", type=int, default=0,
                    help="engine replicas on a Ray cluster behind this server (0: one engine in this process)")
+    r.add_argument("--prefill-replicas", type=int, default=0,
+                   help="replicas that only compute prompts (prefill/decode disaggregation): each request's prompt "
+                        "goes to one of them first, then the request to one of the --replicas, which reads the "
+                        "prompt's KV and pictures from the pool of --kv-transfer-config (needed)")
     r.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica asks for (and its threads)")
     r.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica asks for")

@@ -85,13 +85,15 @@ class HostKVStore(KVConnectorWorker):
 class PoolKVStore(KVConnectorWorker):
     """A Mooncake pool's: loads come with their bytes (fetched by the scheduler's side);
     saves are read off the device after the forward and put in the pool on a thread of
-    their own (the next step does not wait for the network)."""
+    their own (the next step does not wait for the network; a prefill replica's does)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], pool: PoolSettings) -> None:
         super().__init__(kv_caches)
         self.pool = pool
         self.client = pool_client(pool)
         self.putter = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-kv-put")
+        # a prefill replica's output means its prompt is in the pool: it waits for its puts
+        self.wait_for_puts = pool.role == "kv_producer"
 
     def before_forward(self, transfers: KVTransfers) -> None:
         if transfers.loads:
@@ -103,7 +105,7 @@ class PoolKVStore(KVConnectorWorker):
         if transfers.saves_after and self.client is not None and self.pool.role != "kv_consumer":
             blocks, names = zip(*transfers.saves_after)
             rows = self.read_blocks(list(blocks)).numpy()
-            self.putter.submit(self._put, list(names), [row.tobytes() for row in rows])
+            self._submit(list(names), [row.tobytes() for row in rows])
 
     def encoder_outputs(self, loads: dict[str, tuple[bytes, int]]) -> dict[str, torch.Tensor]:
         outputs = {}
@@ -122,7 +124,12 @@ class PoolKVStore(KVConnectorWorker):
             buf = io.BytesIO()
             torch.save(out.cpu(), buf)
             values.append(buf.getvalue())
-        self.putter.submit(self._put, [encoder_output_name(self.pool, h) for h in outputs], values)
+        self._submit([encoder_output_name(self.pool, h) for h in outputs], values)
+
+    def _submit(self, names: list[str], values: list[bytes]) -> None:
+        done = self.putter.submit(self._put, names, values)
+        if self.wait_for_puts:
+            done.result()
 
     def _put(self, names: list[str], values: list[bytes]) -> None:
         try:

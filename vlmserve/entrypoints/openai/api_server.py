@@ -257,6 +257,10 @@ def run_server(args) -> None:
     Serve), then serves until Ctrl-C / SIGTERM."""
     adapters = adapters_from_args(args)
     engine_args = EngineArgs.from_namespace(args)
+    if args.prefill_replicas and not (args.replicas or args.max_replicas) or \
+            args.prefill_replicas and not engine_args.kv_transfer_config:
+        raise ConfigError("--prefill-replicas: with --replicas N (the decode replicas) and a --kv-transfer-config "
+                          "pool (where the decode replicas read what the prefill replicas computed)")
     if args.replicas or args.max_replicas:
         from vlmserve.entrypoints.openai.replicas import start_replicas
 

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -53,10 +53,14 @@ from vlmserve.multimodal.media import MediaLoader
 from vlmserve.multimodal.processor import normalize_settings
 from vlmserve.outputs import RequestOutput
 from vlmserve.pooling_params import PoolingParams
+from vlmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 APP = "vlmserve"
+PREFILL_APP = "vlmserve-prefill"
+# what a prefill replica is asked: the prompt, and one token to end it
+PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 HUB = "vlmserve-replica-hub"
 PUSH_SECONDS = 1.0  # also the longest a given-up request runs on when Ray's cancel is lost
 ABORT_MEMORY_SECONDS = 600.0  # a given-up request that reaches its replica later than this runs
@@ -247,6 +251,7 @@ class ReplicaPool:
     max_pending_requests: int | None = None  # each replica has its own cap; the pool none
     chat_template: ChatTemplate | None = None  # --chat-template (None: the checkpoint's)
     reasoning: ReasoningParser | None = None  # --reasoning-parser's, for the checkpoint's tokenizer
+    prefill_handle: Any = None  # --prefill-replicas: the replicas that compute prompts first
 
     def __post_init__(self) -> None:
         self.hub_view = HubView(self.hub)
@@ -279,7 +284,20 @@ class ReplicaPool:
             raise EngineDeadError(self.shutdown_error)
         loop = asyncio.get_running_loop()
         keys = await loop.run_in_executor(None, affinity_keys, self.loader, prompt, self.default_mm_kwargs)
-        stream = self.handle.options(stream=True).generate.remote(
+        if self.prefill_handle is not None and pooling_params is None:
+            # the prompt on a prefill replica first: its KV and pictures reach the pool
+            # before its one token comes back, and the decode replica reads them there
+            async for _ in self._stream(self.prefill_handle, request_id, prompt, PREFILL_ONLY, priority, cache_salt,
+                                        lora_request, None, keys):
+                pass
+        async for out in self._stream(self.handle, request_id, prompt, params, priority, cache_salt, lora_request,
+                                      pooling_params, keys):
+            yield out
+
+    async def _stream(self, handle: Any, request_id: str, prompt: PromptInput, params, priority: int,
+                      cache_salt: str | None, lora_request: LoRARequest | None, pooling_params: PoolingParams | None,
+                      keys: list[str]) -> AsyncIterator[RequestOutput]:
+        stream = handle.options(stream=True).generate.remote(
             request_id, prompt, params, priority, cache_salt, lora_request, pooling_params, **{KEYS_KWARG: keys})
         self.in_flight[request_id] = stream
         finished = False
@@ -332,6 +350,8 @@ class ReplicaPool:
             return
         try:
             serve.delete(APP, _blocking=False)
+            if self.prefill_handle is not None:
+                serve.delete(PREFILL_APP, _blocking=False)
             ray.kill(self.hub)
         except Exception:
             logger.warning("could not delete the replicas' application", exc_info=True)
@@ -375,9 +395,9 @@ class ReplicaMetrics(Collector):
                                   "(the affinity hit rate is this over router_pictures).", value=hits)
 
 
-def replica_options(args) -> dict[str, Any]:
+def replica_options(args, num_replicas: int | None = None) -> dict[str, Any]:
     """The deployment's Ray Serve options from serve's flags: resources per replica, a
-    fixed number of replicas or autoscaling, the router."""
+    fixed number of replicas (num_replicas, else --replicas) or autoscaling, the router."""
     autoscaling = None
     if args.max_replicas:
         autoscaling = AutoscalingConfig(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
@@ -390,10 +410,10 @@ def replica_options(args) -> dict[str, Any]:
         max_ongoing_requests=args.max_pending_requests,
         health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
     )
-    if autoscaling:
+    if autoscaling and num_replicas is None:
         options["autoscaling_config"] = autoscaling
     else:
-        options["num_replicas"] = args.replicas
+        options["num_replicas"] = num_replicas or args.replicas
     if args.router == "affinity":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=f"{PictureAffinityRouter.__module__}.{PictureAffinityRouter.__name__}",
@@ -419,6 +439,7 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
     handle = serve.run(deployment.bind(engine_args, args.max_pending_requests, threads, args.served_model_name,
                                        args.metrics_names), name=APP,
                        route_prefix=None)
+    prefill = start_prefill_replicas(args, engine_args, threads) if args.prefill_replicas else None
     model_path = resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
     from transformers import AutoProcessor
 
@@ -428,7 +449,8 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
                        info["task"], defaults,
                        MediaLoader(engine_args.media_limits()), dict(engine_args.mm_processor_kwargs), hub, started,
                        joined_cluster=args.ray_address is not None,
-                       chat_template=ChatTemplate.of(engine_args.chat_template, engine_args.chat_template_content_format))
+                       chat_template=ChatTemplate.of(engine_args.chat_template, engine_args.chat_template_content_format),
+                       prefill_handle=prefill)
     if engine_args.reasoning_parser:  # the replicas checked it against the same tokenizer
         pool.reasoning = reasoning_parser(engine_args.reasoning_parser, pool.tokenizer)
     deadline = time.time() + 60
@@ -436,3 +458,12 @@ def start_replicas(args, engine_args: EngineArgs) -> ReplicaPool:
         time.sleep(0.2)
     return pool
 
+
+def start_prefill_replicas(args, engine_args: EngineArgs, threads: int) -> Any:
+    """--prefill-replicas: replicas that put what they compute in the pool and read nothing
+    from it (kv_producer), in an application of their own."""
+    producer = replace(engine_args, kv_transfer_config={**engine_args.kv_transfer_config, "kv_role": "kv_producer"})
+    deployment = serve.deployment(EngineReplica, name="prefill").options(
+        **replica_options(args, num_replicas=args.prefill_replicas))
+    return serve.run(deployment.bind(producer, args.max_pending_requests, threads, args.served_model_name,
+                                     args.metrics_names), name=PREFILL_APP, route_prefix=None)
