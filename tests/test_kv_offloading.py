@@ -128,5 +128,7 @@ def test_the_server_reports_host_tier_hits(full_attention_path):
         assert again.usage.prompt_tokens_details.cached_tokens == 3 * 16  # as in the test above
         assert server.metric("external_prefix_cache_hits_total") == again.usage.prompt_tokens_details.cached_tokens
         assert server.metric('kv_connector_bytes_total{direction="load"}') > 0
+        assert server.metric('kv_connector_seconds_total{direction="save"}') > 0
+        assert server.metric('kv_connector_seconds_total{direction="load"}') > 0
     finally:
         server.stop()

@@ -166,6 +166,11 @@ class _EngineCollector(Collector):
         moved.add_metric(["save"], s.connector_blocks_saved * s.connector_block_bytes)
         moved.add_metric(["load"], s.connector_blocks_loaded * s.connector_block_bytes)
         yield moved
+        seconds = CounterMetricFamily(PREFIX + "kv_connector_seconds", "Seconds spent copying KV to the connector's "
+                                      "store (save) and back (load: a pool's fetches included).", labels=["direction"])
+        seconds.add_metric(["save"], s.connector_save_seconds)
+        seconds.add_metric(["load"], s.connector_load_seconds)
+        yield seconds
         yield GaugeMetricFamily(PREFIX + "kv_connector_blocks_held", "KV blocks the connector holds (a host tier's; "
                                 "a shared pool's are not counted here).", value=s.connector_blocks_held)
 

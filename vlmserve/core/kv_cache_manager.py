@@ -318,14 +318,15 @@ class KVCacheManager:
     def num_state_snapshots(self) -> int:
         return self.states.num_snapshots() if self.states else 0
 
-    def connector_stats(self) -> dict[str, int]:
+    def connector_stats(self) -> dict[str, float]:
         """The KV connector's numbers, as SchedulerStats names them (none without one)."""
         if self.connector is None:
             return {}
         stats = self.connector.stats
         return dict(connector_queries=stats.queries, connector_hits=stats.hits,
                     connector_blocks_saved=stats.blocks_saved, connector_blocks_loaded=stats.blocks_loaded,
-                    connector_blocks_held=self.connector.num_held, connector_block_bytes=block_bytes(self.config))
+                    connector_blocks_held=self.connector.num_held, connector_block_bytes=block_bytes(self.config),
+                    connector_load_seconds=stats.fetch_seconds)
 
     @property
     def num_free_blocks(self) -> int:

@@ -44,6 +44,7 @@ class ConnectorStats:
     hits: int = 0
     blocks_saved: int = 0
     blocks_loaded: int = 0
+    fetch_seconds: float = 0.0  # a pool's lookups and fetches while scheduling
 
 
 class KVConnector(ABC):

@@ -106,6 +106,7 @@ class MooncakeConnector(KVConnector):
             n += 1
         if n == len(names):
             return n
+        start = time.perf_counter()
         try:
             present = self.client.batch_is_exist(names[n:])
             m = 0
@@ -115,6 +116,8 @@ class MooncakeConnector(KVConnector):
         except Exception as e:  # the pool's client raises on a lost connection
             self.warn(f"looking blocks up failed ({type(e).__name__}: {e})")
             return n
+        finally:
+            self.stats.fetch_seconds += time.perf_counter() - start
         for name, value in zip(names[n:], values):
             if value is None or len(value) != self.block_bytes:  # gone since, or not a block of this layout
                 break
@@ -127,11 +130,14 @@ class MooncakeConnector(KVConnector):
         if self.client is None or self.pool.role == "kv_producer":
             return None
         name = encoder_output_name(self.pool, mm_hash)
+        start = time.perf_counter()
         try:
             value = self.client.get_batch([name])[0] if self.client.batch_is_exist([name]) == [1] else None
         except Exception as e:  # the pool's client raises on a lost connection
             self.warn(f"looking an encoder output up failed ({type(e).__name__}: {e})")
             return None
+        finally:
+            self.stats.fetch_seconds += time.perf_counter() - start
         return value or None
 
     def reserve(self, keys: list[BlockHashWithGroup]) -> list[bytes]:

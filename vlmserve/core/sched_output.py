@@ -144,3 +144,7 @@ class SchedulerStats:
     connector_blocks_loaded: int = 0
     connector_blocks_held: int = 0
     connector_block_bytes: int = 0  # of one block, every attention layer's keys and values (a rank's)
+    # seconds copying to the connector's store and back (a pool's fetches while scheduling
+    # counted as load), cumulative
+    connector_save_seconds: float = 0.0
+    connector_load_seconds: float = 0.0

@@ -124,7 +124,12 @@ class EngineCore:
         return self.scheduler.has_requests() or self.in_flight is not None
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if stats.connector_block_bytes:  # a KV connector: the time its copies took on the runner's side
+            seconds = self.runner.kv_connector_seconds()
+            stats.connector_save_seconds = seconds["save"]
+            stats.connector_load_seconds += seconds["load"]
+        return stats
 
     def reset_caches(self) -> bool:
         """Forgets the prefix and encoder caches; False (and nothing done) while requests run."""

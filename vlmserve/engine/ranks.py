@@ -205,6 +205,9 @@ class ParallelRunner:
     def encoder_runs(self) -> int:
         return self.runner.encoder_runs
 
+    def kv_connector_seconds(self) -> dict[str, float]:
+        return self.runner.kv_connector_seconds()  # rank 0's (every rank copies its share alike)
+
     def submit(self, so: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ParallelPendingStep:
         self.ranks.send("step", (so, grammar))
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,6 +24,10 @@ class KVConnectorWorker:
         """kv_caches: the attention layers' key and value caches, block id first (each once)."""
         # bytes, whatever the cache's dtype (an FP8 cache has no index ops of its own)
         self.device_caches = [t.view(torch.uint8) for t in kv_caches]
+        self.seconds = {"save": 0.0, "load": 0.0}  # spent copying, cumulative (the pool's puts included)
+
+    def timed(self, direction: str, since: float) -> None:
+        self.seconds[direction] += time.perf_counter() - since
 
     def before_forward(self, transfers: KVTransfers) -> None:
         """The step's saves of evicted blocks, then its loads."""
@@ -67,11 +72,15 @@ class HostKVStore(KVConnectorWorker):
 
     def before_forward(self, transfers: KVTransfers) -> None:
         if transfers.saves:
+            start = time.perf_counter()
             blocks, slots = zip(*transfers.saves)
             self._copy(self.device_caches, blocks, self.host_caches, slots)
+            self.timed("save", start)
         if transfers.loads:
+            start = time.perf_counter()
             slots, blocks = zip(*transfers.loads)
             self._copy(self.host_caches, slots, self.device_caches, blocks)
+            self.timed("load", start)
 
     @staticmethod
     def _copy(sources: list[torch.Tensor], rows: tuple[int, ...], destinations: list[torch.Tensor],
@@ -97,9 +106,11 @@ class PoolKVStore(KVConnectorWorker):
 
     def before_forward(self, transfers: KVTransfers) -> None:
         if transfers.loads:
+            start = time.perf_counter()
             data, blocks = zip(*transfers.loads)
             rows = torch.stack([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data])
             self.write_blocks(list(blocks), rows)
+            self.timed("load", start)
 
     def after_forward(self, transfers: KVTransfers) -> None:
         if transfers.saves_after and self.client is not None and self.pool.role != "kv_consumer":
@@ -132,10 +143,12 @@ class PoolKVStore(KVConnectorWorker):
             done.result()
 
     def _put(self, names: list[str], values: list[bytes]) -> None:
+        start = time.perf_counter()
         try:
             rc = self.client.put_batch(names, values)
         except Exception as e:  # the pool's client raises on a lost connection
             rc = f"{type(e).__name__}: {e}"
+        self.timed("save", start)
         if rc != 0:
             logger.warning("the Mooncake pool did not take %d KV blocks or encoder outputs (%s): other engines compute "
                            "them", len(names), rc)

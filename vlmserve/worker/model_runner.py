@@ -128,6 +128,10 @@ class ModelRunner:
         tensors = list({id(t): t for layer in layers for t in self.kv_caches[layer]}.values())
         return make_connector_worker(self.kv_cache_config, tensors) if tensors else None
 
+    def kv_connector_seconds(self) -> dict[str, float]:
+        """Seconds the KV connector's copies took here: save, load (cumulative)."""
+        return dict(self.kv_connector.seconds) if self.kv_connector else {"save": 0.0, "load": 0.0}
+
     def shutdown(self) -> None:
         self.queue.close()
         if self.kv_connector is not None:
