@@ -132,3 +132,20 @@ def test_the_server_reports_host_tier_hits(full_attention_path):
         assert server.metric('kv_connector_seconds_total{direction="load"}') > 0
     finally:
         server.stop()
+
+
+def test_a_crowded_batch_with_preemption_and_chunks_gives_the_roomy_engines_tokens(full_attention_path):
+    """Twelve picture chats at once on a cache that holds three: chunked prefills,
+    preemptions and evictions, blocks coming back from the host tier as requests return;
+    every answer is the one an engine with room for all gives."""
+    chats = [picture_chat(i % 6, "Describe the image." if i < 6 else "What is in the picture?") for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in LLM(full_attention_path, num_kv_blocks=512, dtype="float32")
+             .chat(chats, params)]
+    llm = LLM(full_attention_path, num_kv_blocks=BLOCKS, dtype="float32", kv_offloading_size=0.01,
+              max_num_batched_tokens=48)
+    crowded = llm.chat(chats, params)
+    assert [o.outputs[0].token_ids for o in crowded] == roomy
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.connector_hits > 0
+    assert not any(stats.blocks_in_use.values())
