@@ -48,6 +48,7 @@ def timed_return(llm: LLM, side: int, rivals: int, round_: int) -> tuple[float, 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8, help="text and vision layers of the 3B-width checkpoint")
+    p.add_argument("--model", default=None, help="a full-attention checkpoint folder instead of the 3B-width one")
     p.add_argument("--side", type=int, default=896, help="the pictures' side in pixels (896: 1024 picture tokens)")
     p.add_argument("--rivals", type=int, default=3, help="other pictures asked about between the returns")
     p.add_argument("--rounds", type=int, default=5)
@@ -61,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_flags()}", flush=True)
     limits = machine_limits(args.threads)
-    path = str(build("qwen2_5_vl_3b", args.layers))
+    path = args.model or str(build("qwen2_5_vl_3b", args.layers))
     # room for one picture's prompt and a little more: each rival evicts the one before it
     tokens = (args.side // 28) ** 2 + 64
     blocks = 2 * tokens // 16
@@ -79,7 +80,8 @@ def main() -> None:
         print(f"round {r}: " + ", ".join(f"{n} {times[n][-1]:.3f} s ({cached[n][-1]} cached)" for n in engines),
               flush=True)
     host = engines["host tier"].engine.stats()
-    print(f"Qwen2.5-VL-3B widths, {args.layers} layers, bf16, a {args.side}x{args.side} picture "
+    checkpoint = args.model or f"Qwen2.5-VL-3B widths, {args.layers} layers"
+    print(f"{checkpoint}, bf16, a {args.side}x{args.side} picture "
           f"({tokens - 64} picture tokens), {blocks} device blocks; {args.rivals} rivals a round, {args.rounds} rounds")
     print(f"machine: copy {limits['copy_gbs']:.1f} GB/s, {limits['matmul_dtype']} matmul "
           f"{limits['matmul_tflops']:.2f} TFLOP/s")

@@ -87,11 +87,12 @@ def main() -> None:
     p.add_argument("--pictures", type=int, default=8)
     p.add_argument("--side", type=int, default=448, help="the pictures' side (448: 256 picture tokens)")
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--model", default=None, help="a full-attention checkpoint folder instead of the 3B-width one")
     args = p.parse_args()
     from scale_checkpoints import build
 
     print(f"CPU: {cpu_flags()}", flush=True)
-    model = str(build("qwen2_5_vl_3b", args.layers))
+    model = args.model or str(build("qwen2_5_vl_3b", args.layers))
     master, pool = start_master()
     flags = ("--served-model-name", "m", "--dtype", "bfloat16", "--kv-cache-memory-gb", "0.5")
     results = {}
@@ -112,7 +113,8 @@ def main() -> None:
     finally:
         master.kill()
     one = results["one replica"]["cached"]
-    print(f"Qwen2.5-VL-3B widths, {args.layers} layers, bf16; {args.pictures} pictures of {args.side}x{args.side}, "
+    checkpoint = args.model or f"Qwen2.5-VL-3B widths, {args.layers} layers"
+    print(f"{checkpoint}, bf16; {args.pictures} pictures of {args.side}x{args.side}, "
           f"each asked twice (on two replicas: once on each)")
     for name in ("two replicas, no pool", "two replicas, one pool"):
         print(f"{name} / one replica: cached tokens {results[name]['cached'] / max(one, 1):.1%}")

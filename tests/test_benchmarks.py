@@ -58,13 +58,13 @@ CASES = {  # benchmark: tiny arguments, and what its last lines must say
     "kv_cache_drift.py": (["--pictures", "2", "--videos", "2", "--layers", "1", "--tokens", "4"],
                           r"fp8 +KV: +[0-9]+ blocks[\s\S]*greedy answers the same: [0-9]+/[0-9]+[\s\S]*"
                           r"fp8 KV [0-9]+ \(2\.00x\)[\s\S]*fp8 KV against bf16 KV: prompt tokens"),
-    # a picture evicted from the device cache comes back from the host tier (3B widths at one layer)
-    "bench_kv_offloading.py": (["--layers", "1", "--side", "224", "--rounds", "1", "--host-gb", "0.1"],
+    # a picture evicted from the device cache comes back from the host tier (a tiny full-attention checkpoint)
+    "bench_kv_offloading.py": (["--side", "224", "--rounds", "1", "--host-gb", "0.1"],
                                r"recompute +first token: median [0-9.]+ s, cached tokens 0\n"
                                r"host tier +first token: median [0-9.]+ s, cached tokens [1-9][0-9]*\n[\s\S]*"
                                r"host tier / recompute: [0-9.]+x"),
-    # two replicas sharing a Mooncake pool against one replica and two without it (3B widths at one layer)
-    "bench_kv_pool.py": (["--pictures", "1", "--side", "224", "--layers", "1"],
+    # two replicas sharing a Mooncake pool against one replica and two without it (a tiny checkpoint)
+    "bench_kv_pool.py": (["--pictures", "1", "--side", "224"],
                          r"two replicas, no pool / one replica: cached tokens 0\.0%\n"
                          r"two replicas, one pool / one replica: cached tokens 100\.0%"),
     # the shipped model, bf16 against int8 and int4 at load, taking turns in one process
@@ -84,6 +84,10 @@ def test_a_benchmark_runs_and_prints_its_result(name, tmp_path_factory):
         from conftest import ensure_libibverbs
 
         ensure_libibverbs()
+    if name in ("bench_kv_pool.py", "bench_kv_offloading.py"):  # the KV connectors take full attention only
+        from vlmserve.testing.checkpoints import build_qwen2_5_vl
+
+        args = [*args, "--model", str(build_qwen2_5_vl(tmp_path_factory.mktemp("full-attention"), sliding_window=None))]
     if name == "bench_quantized_kernels.py":
         from vlmserve.kernels.quantized_linear import tiled_kernels_available
 
