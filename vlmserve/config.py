@@ -38,6 +38,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+def check_known(cls: type, settings: dict, where: str = "") -> None:
+    """ValueError naming the settings a JSON flag gives that the dataclass has no field for."""
+    known = set(cls.__dataclass_fields__)
+    unknown = set(settings) - known
+    if unknown:
+        raise ValueError(f"{where}unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses the next tokens of a decoding request,
@@ -57,10 +65,7 @@ class SpeculativeConfig:
         """None when empty (speculation off); ValueError naming what is wrong."""
         if not settings:
             return None
-        known = set(cls.__dataclass_fields__)
-        unknown = set(settings) - known
-        if unknown:
-            raise ValueError(f"speculative_config: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        check_known(cls, settings, "speculative_config: ")
         if settings.get("model") is not None and "method" not in settings:
             settings = {**settings, "method": "draft_model"}
         config = cls(**settings)
@@ -103,10 +108,7 @@ class KVTransferConfig:
         """None when empty; ValueError naming what is wrong."""
         if not settings:
             return None
-        known = set(cls.__dataclass_fields__)
-        unknown = set(settings) - known
-        if unknown:
-            raise ValueError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        check_known(cls, settings)
         config = cls(**settings)
         if config.kv_connector != "MooncakeStoreConnector":
             raise ValueError(f"kv_connector {config.kv_connector!r}: vlmserve has \"MooncakeStoreConnector\" (and "
