@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmserve.distributed import SINGLE, TensorParallel
+from vlmserve.distributed import ONE_STAGE, SINGLE, PipelineStage, TensorParallel
 from vlmserve.kernels import ops
 from vlmserve.kernels.decode_layers import DecodePlan
 from vlmserve.kernels.quantized_linear import QuantizedWeight, dequantize
@@ -28,6 +28,9 @@ class MRoPEDecoder(nn.Module):
 
     # (its planner, Linear.lora_generation, the plan): made on first use, again when either changes
     _decode_plan: tuple[Callable, int, DecodePlan | None] | None = None
+    # split into pipeline stages (models/pipeline_parallel.py): this rank's stage, and the layers it holds
+    stage: PipelineStage = ONE_STAGE
+    held: range | None = None  # None: all
 
     def __init__(self, cfg, make_layer: Callable[[Any, int], nn.Module], norm_cls: type[nn.Module], rotary_dim: int,
                  default_section: list[int], default_theta: float, interleaved: bool = False) -> None:
@@ -41,35 +44,52 @@ class MRoPEDecoder(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, rope.get("rope_theta", default_theta)),
                              persistent=False)
 
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The final hidden states of the rows read (ctx.output_rows). Split into pipeline
+        stages, a stage after the first takes the hidden state from the one before it
+        (embeds: None), and every stage returns the last one's output."""
+        stage = self.stage
+        rows, (width,), dtype = positions.shape[-1], self.norm.weight.shape, self.norm.weight.dtype
+        x = embeds if stage.is_first else stage.receive((rows, width), dtype, positions.device)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_section, self.interleaved)
-        cos, sin = cos.to(embeds.dtype), sin.to(embeds.dtype)
-        x, delta = embeds, None  # the hidden state is x + delta (see PreNormDecoderLayer)
-        one_token = embeds.shape[0] == 1 and ctx.deepstack is None and ctx.output_rows is None
+        x, delta = self._layers(x, cos.to(x.dtype), sin.to(x.dtype), ctx)
+        if not stage.is_last:
+            stage.send_on(x if delta is None else x + delta)  # the next stage's layers start from the sum
+            out = None
+        else:
+            out = self.norm.add_and_norm(x, delta)[1]
+        rows_read = rows if ctx.output_rows is None else len(ctx.output_rows)
+        return stage.share_output(out, (rows_read, width), dtype, positions.device)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden state (x, delta) after the layers this rank holds."""
+        one_token = x.shape[0] == 1 and ctx.deepstack is None and ctx.output_rows is None
         plan = self.decode_plan() if one_token else None
         meta = plan.shared_metadata(ctx.attn_metadata) if plan is not None else None
         if meta is not None:
-            return self.norm.add_and_norm(*ops.decode_layers(plan, x, delta, cos, sin, ctx.kv_caches, meta))[1]
-        deep, last = ctx.deepstack, len(self.layers) - 1
-        levels = 0 if deep is None else deep.features.shape[1]
-        for i, layer in enumerate(self.layers):
+            return ops.decode_layers(plan, x, None, cos, sin, ctx.kv_caches, meta)
+        delta, deep, last = None, ctx.deepstack, len(self.layers) - 1
+        levels = 0 if deep is None else deep.features.shape[1]  # on the first stage, which holds those layers
+        for i in self.held or range(len(self.layers)):
             # the last layer cuts the rows to those read, unless DeepStack adds to all of them after it
-            x, delta = layer(x, delta, cos, sin, ctx, ctx.output_rows if i == last and i >= levels else None)
+            x, delta = self.layers[i](x, delta, cos, sin, ctx, ctx.output_rows if i == last and i >= levels else None)
             if i < levels:
                 x, delta = (x + delta).index_add(0, deep.token_index, deep.features[:, i]), None
         if levels > last:
             x = kept(ctx.output_rows, x)[0]
-        return self.norm.add_and_norm(x, delta)[1]
+        return x, delta
 
     def decode_plan(self) -> DecodePlan | None:
-        """The layers as ops.decode_layers runs them on this device (None: op by op), made
-        at the first step (the weights loaded, quantized and packed), again once a layer
-        gets LoRA slots."""
+        """The layers this rank holds as ops.decode_layers runs them on this device (None:
+        op by op), made at the first step (the weights loaded, quantized and packed), again
+        once a layer gets LoRA slots."""
         if self.embed_tokens.vocab_part is not None:
             return None  # split across ranks: the layers' sums over the ranks run op by op
         planner, generation = ops.plan_decode_layers, Linear.lora_generation
         if self._decode_plan is None or self._decode_plan[:2] != (planner, generation):
-            self._decode_plan = (planner, generation, planner([layer.decode_weights() for layer in self.layers]))
+            layers = [self.layers[i].decode_weights() for i in self.held or range(len(self.layers))]
+            self._decode_plan = (planner, generation, planner(layers))
         return self._decode_plan[2]
 
 
@@ -85,6 +105,10 @@ class VisionLanguageModel(nn.Module):
     # checkpoint name fragment -> (fused module fragment, shard index), beyond q/k/v and gate/up
     extra_fused: dict[str, tuple[str, int]] = {}
     tp: TensorParallel = SINGLE  # the ranks its language model is split across (models/tensor_parallel.py)
+    # split into pipeline stages (models/pipeline_parallel.py): this rank's stage, and the
+    # checkpoint names (prefixes) of what other stages hold
+    stage: PipelineStage = ONE_STAGE
+    held_elsewhere: tuple[str, ...] = ()
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -126,6 +150,11 @@ class VisionLanguageModel(nn.Module):
             self.lm_head = Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
             self.lm_head.weight = embed
         return self.lm_head
+
+    def layers_held(self) -> set[int]:
+        """The decoder layers (ids) this rank holds: all, unless split into pipeline stages."""
+        decoder = self.model.language_model
+        return set(getattr(decoder, "held", None) or range(len(decoder.layers)))
 
     def kv_heads_per_rank(self) -> int:
         """Key/value heads each rank's attention layers hold (all of them on one rank)."""
@@ -190,7 +219,7 @@ class VisionLanguageModel(nn.Module):
             if name.startswith("mtp."):
                 continue  # multi-token-prediction head: not used
             name = self.canonical_name(name)
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name.startswith(self.held_elsewhere) or name == "lm_head.weight" and self.lm_head is None:
                 continue
             if load_kv_scale(self, name, tensor):  # an FP8 KV cache's, kept by the attention layer
                 continue

@@ -179,9 +179,14 @@ def test_a_rank_that_dies_mid_step_ends_the_engine(qwen25_path, hf_qwen25):
         llm.generate(prompts, params)
 
 
-def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path, tmp_path):
-    """Greedy answers about a picture and a video, streamed and not, are those of one rank;
-    a rank killed later ends the server with an error."""
+def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path):
+    split_server_answers_as_one_rank(qwen25_path, ["--tensor-parallel-size", "2"])
+
+
+def split_server_answers_as_one_rank(path: str, split: list[str]) -> None:
+    """Greedy answers about a picture and a video, streamed and not, are those of one rank
+    with the model split (`split`: the flags); a rank killed later ends the server with an
+    error."""
     import base64
 
     from conftest import data_url
@@ -196,9 +201,8 @@ def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path, tmp_pa
                                       {"type": "text", "text": "What happens?"}]}],
     ]
     answers = {}
-    for tp in (1, 2):
-        server = Server(qwen25_path, "--tensor-parallel-size", str(tp), "--num-kv-blocks", "256", "--dtype", "float32",
-                        "--api-key", "test-key")
+    for flags in ([], split):
+        server = Server(path, *flags, "--num-kv-blocks", "256", "--dtype", "float32", "--api-key", "test-key")
         try:
             client = server.client()
             for i, m in enumerate(messages):
@@ -206,8 +210,8 @@ def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path, tmp_pa
                 streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                     model="tiny", messages=m, max_tokens=12, temperature=0, stream=True) if c.choices)
                 assert streamed == full.choices[0].message.content
-                answers[tp, i] = full.choices[0].message.content
-            if tp == 2:
+                answers[bool(flags), i] = full.choices[0].message.content
+            if flags:
                 (pid,) = [int(m.group(1)) for line in server.log if (m := re.search(r"rank 1 is process (\d+)", line))]
                 os.kill(pid, signal.SIGKILL)
                 with pytest.raises(Exception):
@@ -217,7 +221,7 @@ def test_the_server_with_two_ranks_answers_the_openai_client(qwen25_path, tmp_pa
         finally:
             if server.proc.poll() is None:
                 server.stop()
-    assert all(answers[1, i] == answers[2, i] for i in range(len(messages)))
+    assert all(answers[False, i] == answers[True, i] for i in range(len(messages)))
 
 
 def test_ranks_as_ray_actors(qwen25_path, hf_qwen25):

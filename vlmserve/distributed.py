@@ -1,6 +1,8 @@
-"""A tensor-parallel group: the ranks that each hold a part of every layer, and the two
-collectives the layers need (a sum of partial outputs, a gather of column parts). With
-one rank both are nothing, so a model that is not split runs the same code.
+"""The groups of a model split across ranks. A tensor-parallel group: the ranks that each
+hold a part of every layer, and the collectives the layers need (a sum of partial outputs,
+a gather of column parts). A pipeline: stages of consecutive layers, each a tensor-parallel
+group, handing the hidden states on to the next stage. With one rank, one stage, all of it
+is nothing, so a model that is not split runs the same code.
 
 The groups are torch.distributed backends made directly over a store of their own (not
 the process-wide default group): an engine's ranks stand apart from anything else in the
@@ -54,6 +56,51 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+@dataclass
+class PipelineStage:
+    """A rank's stage of the pipeline: stage `stage` of `size`, each `stride` ranks (its
+    tensor-parallel group) wide, so that a rank's counterpart in the next stage is rank +
+    stride. Hidden states go from stage to stage point to point; the last stage's output
+    goes to every rank, which all sample the same tokens from it (as under tensor
+    parallelism), so every rank's batch stays the same."""
+
+    stage: int = 0
+    size: int = 1
+    rank: int = 0  # among all the ranks
+    stride: int = 1
+    group: Any = field(default=None, repr=False)  # every rank's (gloo or NCCL)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def send_on(self, x: torch.Tensor) -> None:
+        """To the next stage's counterpart of this rank."""
+        self.group.send([x.contiguous()], self.rank + self.stride, 0).wait()
+
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What the previous stage's counterpart of this rank sent on."""
+        x = torch.empty(shape, dtype=dtype, device=device)
+        self.group.recv([x], self.rank - self.stride, 0).wait()
+        return x
+
+    def share_output(self, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """The last stage's out (of shape) on every rank."""
+        if self.size == 1:
+            return out
+        x = out.contiguous() if self.is_last else torch.empty(shape, dtype=dtype, device=device)
+        self.group.broadcast(x, (self.size - 1) * self.stride).wait()
+        return x
+
+
+ONE_STAGE = PipelineStage()
+
+
 class Channel:
     """Rank 0's messages to every rank (any picklable object), over a gloo group of their
     own: apart from the model's collectives, and on the CPU whatever the model's device."""
@@ -78,15 +125,23 @@ class Channel:
         self.group.broadcast(tensor, 0).wait()
 
 
-def join_group(backend: str, address: str, rank: int, size: int) -> tuple[TensorParallel, Channel]:
-    """Joins the ranks (rank 0 listens on address, host:port): their group for the model's
-    collectives (backend: gloo or nccl) and rank 0's channel to them."""
+def join_group(backend: str, address: str, rank: int, tp_size: int, pp_size: int = 1
+               ) -> tuple[TensorParallel, PipelineStage, Channel]:
+    """Joins the tp_size x pp_size ranks (rank 0 listens on address, host:port; ranks
+    stage-major): the tensor-parallel group of the rank's stage and the pipeline (backend:
+    gloo or nccl, for the model's collectives), and rank 0's channel to them all."""
     host, port = address.rsplit(":", 1)
+    size = tp_size * pp_size
     store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT)
-    gloo = dist.ProcessGroupGloo
-    if backend == "nccl":
-        model_group = dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size)
-    else:
-        model_group = gloo(dist.PrefixStore("model", store), rank, size, COLLECTIVE_TIMEOUT)
-    control = gloo(dist.PrefixStore("control", store), rank, size, COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, size, model_group), Channel(control, rank)
+
+    def group(name: str, rank: int, size: int, backend: str = backend) -> Any:
+        if size == 1:
+            return None
+        if backend == "nccl":
+            return dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size)
+        return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, COLLECTIVE_TIMEOUT)
+
+    stage, tp_rank = divmod(rank, tp_size)
+    tp = TensorParallel(tp_rank, tp_size, group(f"model-{stage}", tp_rank, tp_size))
+    pipeline = PipelineStage(stage, pp_size, rank, tp_size, group("pipeline", rank, size) if pp_size > 1 else None)
+    return tp, pipeline, Channel(group("control", rank, size, "gloo"), rank)

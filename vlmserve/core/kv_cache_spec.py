@@ -133,17 +133,22 @@ class KVCacheConfig:
         return {layer: j for g in self.groups for j, layer in enumerate(g.layer_ids)}
 
 
-def state_slot_bytes(groups: list[KVCacheGroup]) -> int:
-    """Bytes of one state slot across every recurrent layer."""
-    return sum(len(g.layer_ids) * g.spec.slot_bytes for g in groups if isinstance(g.spec, MambaSpec))
+def state_slot_bytes(groups: list[KVCacheGroup], layers: range | None = None) -> int:
+    """Bytes of one state slot across every recurrent layer (of `layers`: a pipeline
+    stage's; None: all)."""
+    return sum(sum(layers is None or i in layers for i in g.layer_ids) * g.spec.slot_bytes
+               for g in groups if isinstance(g.spec, MambaSpec))
 
 
-def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int, extra_bytes_per_block: int = 0) -> int:
+def blocks_for_memory(groups: list[KVCacheGroup], memory_bytes: int, extra_bytes_per_block: int = 0,
+                      layers: range | None = None) -> int | None:
     """Blocks that fit memory_bytes; extra_bytes_per_block: what other layers on the same
-    block ids take (a draft model's)."""
-    specs = [g.spec for g in groups if isinstance(g.spec, AttentionSpec)]
-    if not specs:
-        return 2
-    page = max(s.page_size_bytes for s in specs)
-    slots = max(len(g.layer_ids) for g in groups if isinstance(g.spec, AttentionSpec))
-    return max(2, memory_bytes // (page * slots + extra_bytes_per_block))
+    block ids take (a draft model's). layers: those a pipeline stage holds (None: all),
+    in the tensor slots they use (KVCacheConfig.tensor_slot_of_layer); None where they
+    hold no attention."""
+    attention = [g for g in groups if isinstance(g.spec, AttentionSpec)]
+    slots = {j for g in attention for j, i in enumerate(g.layer_ids) if layers is None or i in layers}
+    if not slots:
+        return None
+    page = max(g.spec.page_size_bytes for g in attention)
+    return max(2, memory_bytes // (page * len(slots) + extra_bytes_per_block))

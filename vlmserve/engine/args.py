@@ -146,6 +146,11 @@ class EngineArgs:
     # checkpoints one device cannot hold. --kv-cache-memory-gb is each rank's; on the CPU the
     # ranks share its cores (each gets 1/N of the compute threads)
     tensor_parallel_size: int = 1
+    # split the model's decoder layers into this many stages, one after another (each stage
+    # tensor_parallel_size ranks wide): for machines without a fast link between them. The
+    # first stage holds the vision tower; every stage the embeddings and the output head.
+    # The Qwen families; not with LoRA or a KV connector yet
+    pipeline_parallel_size: int = 1
     # mixture-of-experts layers: whole experts by rank, not each expert split across the ranks
     enable_expert_parallel: bool = False
     # where ranks 1..N-1 run: mp (processes of this machine) or ray (actors anywhere in the
@@ -179,9 +184,10 @@ class EngineArgs:
             raise ConfigError(f"--device {self.device}: no CUDA device on this machine (torch.cuda.is_available() "
                               f"is False); use --device cpu")
         gpus = torch.cuda.device_count() if kind == "cuda" else 0
-        if kind == "cuda" and self.distributed_executor_backend == "mp" and self.tensor_parallel_size > gpus:
-            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: this machine has {gpus} GPU(s), "
-                              f"one a rank (--distributed-executor-backend ray places ranks across machines)")
+        if kind == "cuda" and self.distributed_executor_backend == "mp" and self.world_size() > gpus:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                              f"{self.pipeline_parallel_size}: this machine has {gpus} GPU(s), one a rank "
+                              f"(--distributed-executor-backend ray places ranks across machines)")
         if kind == "cuda" and self.kv_cache_dtype != "auto" and torch.cuda.get_device_capability(self.device) < (8, 9):
             major, minor = torch.cuda.get_device_capability(self.device)
             name = torch.cuda.get_device_name(self.device)
@@ -229,9 +235,21 @@ class EngineArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: vlmserve has {', '.join(REASONING_PARSERS)}")
 
+    def world_size(self) -> int:
+        """The ranks the model is split across."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def check_parallel(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: at least 1")
+        if self.pipeline_parallel_size < 1:
+            raise ConfigError(f"--pipeline-parallel-size {self.pipeline_parallel_size}: at least 1")
+        if self.pipeline_parallel_size > 1 and self.enable_lora:
+            raise ConfigError("--pipeline-parallel-size with --enable-lora: adapters are not split into pipeline "
+                              "stages yet; use --tensor-parallel-size")
+        if self.pipeline_parallel_size > 1 and (self.kv_offloading_size or self.kv_transfer_config):
+            raise ConfigError("--pipeline-parallel-size with a KV connector (--kv-offloading-size, "
+                              "--kv-transfer-config): not yet; use --tensor-parallel-size")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ConfigError(f"--distributed-executor-backend {self.distributed_executor_backend}: mp or ray")
         if self.mm_encoder_tp_mode != "data":

@@ -22,7 +22,7 @@ from vlmserve.core.kv_cache_spec import (AttentionSpec, FullAttentionSpec, KVCac
 from vlmserve.core.mooncake_pool import PoolSettings
 from vlmserve.core.sched_output import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from vlmserve.core.scheduler import Scheduler
-from vlmserve.distributed import SINGLE
+from vlmserve.distributed import ONE_STAGE, SINGLE, PipelineStage
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.model_source import draft_checkpoint
 from vlmserve.engine.ranks import ParallelRunner, Ranks
@@ -31,6 +31,7 @@ from vlmserve.errors import ConfigError, RankFailure
 from vlmserve.kernels import kernel_table
 from vlmserve.lora.adapter import LoRATarget
 from vlmserve.models.kv_scales import check_kv_scales, describe_kv_scales
+from vlmserve.models.pipeline_parallel import stage_layers
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.request import FinishReason, Request, RequestStatus
 from vlmserve.spec_decode.draft_model import check_draft_model
@@ -233,7 +234,7 @@ def build_engine_core(args: EngineArgs, model_path: str, eos_token_id: int | Non
     if speculative:
         logger.info("speculative decoding: %s", speculative)
     # the other ranks of a model split across processes: started first, they load their parts meanwhile
-    ranks = Ranks.start(args, model_path, draft_path) if args.tensor_parallel_size > 1 else None
+    ranks = Ranks.start(args, model_path, draft_path) if args.world_size() > 1 else None
     try:
         core, info = _build(args, model_path, eos_token_id, timer, draft_path, ranks)
     except BaseException:
@@ -251,8 +252,9 @@ def _build(args: EngineArgs, model_path: str, eos_token_id: int | None, timer: P
     queue = DeviceQueue(threaded=overlap and torch.device(args.device).type == "cpu")
     kernels = kernel_table(torch.device(args.device).type, args.use_triton)  # this engine's, chosen once
     device = rank_device(args.device, 0)
-    model, hf_config, draft_model = queue.call(lambda: load_models(args, model_path, kernels, draft_path,
-                                                                   ranks.tp if ranks else SINGLE, device))
+    model, hf_config, draft_model = queue.call(lambda: load_models(
+        args, model_path, kernels, draft_path, ranks.tp if ranks else SINGLE, ranks.stage if ranks else ONE_STAGE,
+        device))
     plan, max_chunk_tokens = plan_runner(args, model, hf_config, draft_model, eos_token_id)
     timer = timer or PhaseTimer(args.time_steps)
     runner = queue.call(lambda: make_runner(args, model, draft_model, kernels, plan, device, timer, queue))
@@ -279,7 +281,9 @@ def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model
     num_drafts = speculative.num_speculative_tokens if speculative else 0
     lookahead = num_drafts if draft_model is not None else 0  # slots for a draft model's guesses
     max_num_seqs = running_limit(args, groups, num_drafts, draft_groups)
-    kv_config = kv_cache_config(args, groups, max_num_seqs, num_drafts, draft_groups)
+    stages = [stage_layers(len(model.model.language_model.layers), PipelineStage(s, args.pipeline_parallel_size))
+              for s in range(args.pipeline_parallel_size)]
+    kv_config = kv_cache_config(args, groups, max_num_seqs, num_drafts, draft_groups, stages)
     kv_config.pool = pool_settings(args, hf_config, groups, draft_groups)
     if kv_config.pool is not None and kv_config.num_host_blocks:
         raise ConfigError("--kv-offloading-size and --kv-transfer-config: one KV connector at a time")
@@ -340,16 +344,19 @@ def running_limit(args: EngineArgs, groups, num_drafts: int = 0, draft_groups=()
 
 
 def kv_cache_config(args: EngineArgs, groups, max_num_seqs: int, num_drafts: int = 0,
-                    draft_groups=()) -> KVCacheConfig:
+                    draft_groups=(), stages: list[range] | None = None) -> KVCacheConfig:
     """Splits the KV memory budget: recurrent layers first get a state slot for every
     request that can run at once (max_num_seqs; and one per draft: checkpoints for
     speculative decoding), plus snapshot slots for prefix caching (a quarter of the budget
     at most); attention blocks get the rest. A draft model's layers take their share of
-    each slot and block (and a scratch state slot per request)."""
+    each slot and block (and a scratch state slot per request). Split into pipeline
+    stages (the layers of each), the budget is each rank's, and the fullest stage sizes
+    the blocks every stage has."""
+    stages = stages or [None]
     budget = int(args.kv_cache_memory_gb * (1 << 30))
     draft_slot_bytes = state_slot_bytes(list(draft_groups))
     budget -= max_num_seqs * draft_slot_bytes
-    slot_bytes = state_slot_bytes(groups) + draft_slot_bytes
+    slot_bytes = max(state_slot_bytes(groups, layers) for layers in stages) + draft_slot_bytes
     num_slots = snapshots = 0
     if slot_bytes:
         snapshots = args.num_state_snapshots
@@ -365,7 +372,8 @@ def kv_cache_config(args: EngineArgs, groups, max_num_seqs: int, num_drafts: int
                              f"lower max_num_seqs or raise kv_cache_memory_gb")
     draft_block_bytes = sum(len(g.layer_ids) * g.spec.page_size_bytes for g in draft_groups
                             if isinstance(g.spec, AttentionSpec))
-    num_blocks = args.num_kv_blocks or blocks_for_memory(groups, budget, draft_block_bytes)
+    fits = [n for layers in stages if (n := blocks_for_memory(groups, budget, draft_block_bytes, layers)) is not None]
+    num_blocks = args.num_kv_blocks or min(fits, default=2)
     return KVCacheConfig(num_blocks, groups, num_state_slots=num_slots, num_state_snapshots=snapshots,
                          num_host_blocks=host_blocks(args, groups, draft_groups))
 

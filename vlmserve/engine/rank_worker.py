@@ -1,5 +1,5 @@
 """A rank other than 0 of a model split across processes (engine/ranks.py): it joins the
-ranks' group, loads its part of the model, builds its runner from rank 0's plan, then does
+ranks' groups, loads its part of the model, builds its runner from rank 0's plan, then does
 every step rank 0 sends it, until told to stop. It keeps no outputs: rank 0's reach the
 scheduler. Any error ends the process (its peers see its connection close), since a rank
 that skipped a step would no longer agree with the others."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmserve import envs
-from vlmserve.distributed import Channel, TensorParallel, join_group
+from vlmserve.distributed import Channel, PipelineStage, TensorParallel, join_group
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.runner_setup import load_models, make_runner
 from vlmserve.kernels import kernel_table
@@ -29,7 +29,8 @@ class RankJob:
     model_path: str
     draft_path: str | None
     rank: int
-    size: int
+    tp_size: int
+    pp_size: int
     address: str  # rank 0's host:port
     backend: str  # the model's collectives: gloo (CPU) or nccl
     threads: int  # torch's compute threads
@@ -41,16 +42,16 @@ def run_rank(job: RankJob) -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s [rank {job.rank}]: %(message)s")
     torch.set_num_threads(job.threads)
     try:
-        _serve(job, *join_group(job.backend, job.address, job.rank, job.size))
+        _serve(job, *join_group(job.backend, job.address, job.rank, job.tp_size, job.pp_size))
     except Exception:
         logger.exception("rank %d failed; it stops, and the engine with it", job.rank)
         os._exit(1)
 
 
-def _serve(job: RankJob, tp: TensorParallel, channel: Channel) -> None:
+def _serve(job: RankJob, tp: TensorParallel, stage: PipelineStage, channel: Channel) -> None:
     args = job.args
     kernels = kernel_table(torch.device(job.device).type, args.use_triton)
-    model, _, draft_model = load_models(args, job.model_path, kernels, job.draft_path, tp, job.device)
+    model, _, draft_model = load_models(args, job.model_path, kernels, job.draft_path, tp, stage, job.device)
     kind, plan = channel.receive()
     if kind != "plan":
         raise ValueError(f"expected the runner's plan, got {kind!r}")

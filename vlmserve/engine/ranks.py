@@ -1,14 +1,15 @@
-"""The ranks of a model split across processes (tensor parallelism), driven in lockstep
-from one scheduler. Rank 0 runs in the engine core's process, beside the scheduler; the
+"""The ranks of a model split across processes (tensor parallelism, pipeline stages),
+driven in lockstep from one scheduler. Rank 0 runs in the engine core's process, beside the scheduler; the
 others are processes of this machine (`--distributed-executor-backend mp`) or Ray actors,
-on any machine of the Ray cluster (`ray`). Each holds its part of every layer and runs a
-runner of its own over it (engine/rank_worker.py).
+on any machine of the Ray cluster (`ray`). Each holds its part of the model (a share of
+every layer of its stage's, distributed.py) and runs a runner of its own over it
+(engine/rank_worker.py).
 
 Every step's SchedulerOutput goes to every rank, broadcast from a thread of its own on a
 group of its own, so that sending never waits on the model's collectives nor holds up
 rank 0's host work. Every rank then computes the step and samples the same tokens: the
-logits are the same on every rank after their gather, and so are the sampling settings
-and generators, which the same SchedulerOutputs drive. Only rank 0's output reaches the
+logits are the same on every rank after their gather (and the last stage's output
+reaches every stage), and so are the sampling settings and generators, which the same SchedulerOutputs drive. Only rank 0's output reaches the
 scheduler.
 
 A rank that dies ends the engine with a RankFailure naming it: its peers' collectives
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from vlmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from vlmserve.distributed import Channel, TensorParallel, join_group
+from vlmserve.distributed import Channel, PipelineStage, TensorParallel, join_group
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.rank_worker import RankJob, RayRank, run_rank
 from vlmserve.engine.runner_setup import RunnerPlan, rank_device
@@ -99,8 +100,9 @@ class Ranks:
     """Rank 0's view of the other ranks: started with `start`, then followed by rank 0's
     runner (`follow`)."""
 
-    def __init__(self, tp: TensorParallel, channel: Channel, others: list[RankHandle]) -> None:
-        self.tp = tp
+    def __init__(self, tp: TensorParallel, stage: PipelineStage, channel: Channel, others: list[RankHandle]) -> None:
+        self.tp, self.stage = tp, stage
+        self.size = tp.size * stage.size
         self.others = others
         self._channel = channel
         self._stopped = False
@@ -112,19 +114,20 @@ class Ranks:
     @classmethod
     def start(cls, args: EngineArgs, model_path: str, draft_path: str | None) -> Ranks:
         """Starts ranks 1..N-1 and joins them in a group as rank 0."""
-        size, backend = args.tensor_parallel_size, compute_backend(args.device)
+        tp_size, pp_size, backend = args.tensor_parallel_size, args.pipeline_parallel_size, compute_backend(args.device)
+        size = tp_size * pp_size
         threads = max(1, torch.get_num_threads() // size)  # on the CPU the ranks share its cores
         ray_backend = args.distributed_executor_backend == "ray"
         address = free_address() if not ray_backend else _ray_address()
         # a Ray actor sees only the GPU it was given (cuda:0); a process here, every GPU
-        jobs = [RankJob(args, model_path, draft_path, rank, size, address, backend, threads,
+        jobs = [RankJob(args, model_path, draft_path, rank, tp_size, pp_size, address, backend, threads,
                         rank_device(args.device, 0 if ray_backend else rank)) for rank in range(1, size)]
         others = [_start_ray(job) if ray_backend else _start_process(job) for job in jobs]
         torch.set_num_threads(threads)
-        logger.info("tensor parallel: %d ranks (%s, %s), %d threads each", size, args.distributed_executor_backend,
-                    backend, threads)
+        logger.info("%d ranks (%d stages of %d; %s, %s), %d threads each", size, pp_size, tp_size,
+                    args.distributed_executor_backend, backend, threads)
         try:
-            return cls(*_join_while_alive(backend, address, size, others), others)
+            return cls(*_join_while_alive(backend, address, tp_size, pp_size, others), others)
         except BaseException:
             for other in others:
                 other.stop(wait=0)
@@ -145,7 +148,7 @@ class Ranks:
         for other in self.others:
             status = other.exit_status()
             if status is not None:
-                raise RankFailure(f"tensor-parallel rank {other.rank} died ({status}); the engine stops")
+                raise RankFailure(f"rank {other.rank} died ({status}); the engine stops")
         if self._send_error is not None:
             raise RankFailure(f"the ranks could not be reached: {self._send_error}")
 
@@ -154,7 +157,7 @@ class Ranks:
         other ranks are ended."""
         try:
             self.check()
-            failure = RankFailure(f"a step failed on rank 0 of {self.tp.size} (the ranks may disagree now; the "
+            failure = RankFailure(f"a step failed on rank 0 of {self.size} (the ranks may disagree now; the "
                                   f"engine stops): {type(error).__name__}: {error}")
         except RankFailure as dead:
             failure = dead
@@ -247,12 +250,13 @@ class ParallelPendingStep:
             raise self.ranks.failure(e) from e
 
 
-def _join_while_alive(backend: str, address: str, size: int, others: list[RankHandle]) -> tuple[TensorParallel, Channel]:
+def _join_while_alive(backend: str, address: str, tp_size: int, pp_size: int, others: list[RankHandle]
+                      ) -> tuple[TensorParallel, PipelineStage, Channel]:
     """Joins the group as rank 0, on a thread of its own, while checking that the other
     ranks live: one that dies starting (its import, its device) fails the start at once
     instead of leaving rank 0 waiting for it."""
     joined: Future = Future()
-    threading.Thread(target=lambda: run_into(joined, lambda: join_group(backend, address, 0, size)),
+    threading.Thread(target=lambda: run_into(joined, lambda: join_group(backend, address, 0, tp_size, pp_size)),
                      name="vlmserve-rank-join", daemon=True).start()
     while True:
         try:
@@ -261,7 +265,7 @@ def _join_while_alive(backend: str, address: str, size: int, others: list[RankHa
             for other in others:
                 status = other.exit_status()
                 if status is not None:
-                    raise RankFailure(f"tensor-parallel rank {other.rank} died starting ({status}); its log says why")
+                    raise RankFailure(f"rank {other.rank} died starting ({status}); its log says why")
 
 
 def _start_process(job: RankJob) -> RankHandle:
@@ -271,7 +275,7 @@ def _start_process(job: RankJob) -> RankHandle:
     process = multiprocessing.get_context("spawn").Process(target=run_rank, args=(job,), name=f"vlmserve-rank-{job.rank}",
                                                            daemon=True)
     process.start()
-    logger.info("tensor parallel: rank %d is process %d", job.rank, process.pid)
+    logger.info("rank %d is process %d", job.rank, process.pid)
     return RankHandle(job.rank, process=process)
 
 

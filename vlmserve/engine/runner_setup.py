@@ -11,7 +11,7 @@ import torch
 
 from vlmserve.config import SchedulerConfig
 from vlmserve.core.kv_cache_spec import KVCacheConfig
-from vlmserve.distributed import TensorParallel
+from vlmserve.distributed import PipelineStage, TensorParallel
 from vlmserve.engine.args import EngineArgs
 from vlmserve.engine.model_source import resolve_pooler
 from vlmserve.kernels import KernelTable
@@ -40,12 +40,13 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def load_models(args: EngineArgs, model_path: str, kernels: KernelTable, draft_path: str | None,
-                tp: TensorParallel, device: str) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
+                tp: TensorParallel, stage: PipelineStage, device: str
+                ) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
     """The rank's part of the model (and the draft model, for speculative decoding with one)."""
     pooler = resolve_pooler(args.runner, args.pooler_config, model_path)
     embeds = pooler is not None and pooler.task == "embed"  # a reranker keeps its head: its score is two logits
     model, hf_config = load_model(model_path, args.dtype, kernels, device, args.pack_weights, args.quantization,
-                                  embeds, tp, args.enable_expert_parallel)
+                                  embeds, tp, args.enable_expert_parallel, stage)
     draft_model = None
     if draft_path:
         draft_model = load_model(draft_path, next(model.parameters()).dtype, kernels, device, args.pack_weights)[0]

@@ -123,7 +123,7 @@ class CudaGraphs:
         if any(isinstance(module, Experts) for module in runner.model.modules()):
             logger.info("CUDA graphs off: the MoE layers read their expert counts back to the host")
             return None
-        if runner.model.tp.size > 1:
+        if runner.model.tp.size > 1 or runner.model.stage.size > 1:
             # a capture that failed on one rank alone would leave its peers waiting in a
             # collective; NCCL inside captured graphs has not been run here yet
             logger.info("CUDA graphs off: the model is split across ranks (eager steps until tested on GPUs)")

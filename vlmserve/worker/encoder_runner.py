@@ -87,7 +87,10 @@ class EncoderRunner:
     def plan(self, so: SchedulerOutput, batch: InputBatch) -> EncoderWork:
         """The media the step encodes, once each, grouped by the adapter they are encoded
         under (an adapter of the vision tower encodes a request's media its own way: their
-        hashes say so, the front end tagged them)."""
+        hashes say so, the front end tagged them). Split into pipeline stages, the first
+        one's ranks alone encode: the others take its hidden states."""
+        if not self.model.stage.is_first:
+            return []
         todo = {}
         for rid, input_ids in so.scheduled_encoder_inputs.items():
             state = batch.states[batch.index_of[rid]]

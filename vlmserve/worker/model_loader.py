@@ -13,12 +13,13 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from vlmserve.distributed import SINGLE, TensorParallel
+from vlmserve.distributed import ONE_STAGE, SINGLE, PipelineStage, TensorParallel
 from vlmserve.kernels import KernelTable, ops, use_kernels
 from vlmserve.kernels.cpu_extension import widens_bf16
 from vlmserve.kernels.quantized_linear import tiled_kernels_available
 from vlmserve.models import get_model_class
 from vlmserve.models.layers import Embedding, Linear
+from vlmserve.models.pipeline_parallel import split_stages
 from vlmserve.models.quantized_checkpoints import CheckpointQuantization, read_quantized
 from vlmserve.models.tensor_parallel import shard_model
 from vlmserve.models.weights import iter_safetensors, return_freed_memory
@@ -169,23 +170,23 @@ def quantize_remaining(targets: dict[Linear, str]) -> tuple[int, int]:
 def load_model(
     model_path: str | Path, dtype: str | torch.dtype, kernels: KernelTable, device: str = "cpu",
     pack_weights: bool = True, quantization: str | None = None, embeds: bool = False,
-    tp: TensorParallel = SINGLE, expert_parallel: bool = False,
+    tp: TensorParallel = SINGLE, expert_parallel: bool = False, stage: PipelineStage = ONE_STAGE,
 ) -> tuple[nn.Module, object]:
-    """The model in dtype on the device, its language layers quantized if asked, its
-    weights packed for `kernels` (the engine's kernel table), and its HF config. A model
-    that embeds has no output head (embedding checkpoints often leave it out). Split across
-    ranks (tp), it is this rank's part, read from the checkpoint alone."""
+    """The model in dtype on the device, its language layers quantized if asked, its weights
+    packed for `kernels` (the engine's kernel table), and its HF config. A model that embeds
+    has no head (embedding checkpoints often leave it out). Split across ranks (tp, stage):
+    this rank's part, read from the checkpoint alone."""
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(str(model_path))
     published = CheckpointQuantization.from_config(getattr(hf_config, "quantization_config", None))
     if not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, hf_config, device, quantized=bool(quantization or published))
-    model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with _skip_param_init(dtype):
-        model = model_cls(hf_config)
+        model = get_model_class(getattr(hf_config, "architectures", None) or [])(hf_config)
     if embeds:
         model.lm_head = None  # a head in the checkpoint is skipped
     shard_model(model, tp, expert_parallel)
+    split_stages(model, stage)
     with use_kernels(kernels):
         place_streamed_weights(model)
     if published and quantization:
@@ -223,6 +224,6 @@ def load_model(
             packed = pack_linear_weights(model)
         return_freed_memory()  # weights whose packed copies took their place
         logger.debug("packed linear weights: %.1f MB", packed / 1e6)
-    logger.info("loaded %s (%.1fM parameters%s, %s) in %.2fs", model_cls.__name__, num_params / 1e6,
-                f" on rank {tp.rank} of {tp.size}" if tp.size > 1 else "", dtype, time.perf_counter() - start)
+    logger.info("loaded %s (%.1fM parameters%s, %s) in %.2fs", type(model).__name__, num_params / 1e6,
+                f" on rank {stage.rank} of {tp.size * stage.size}" if tp.size * stage.size > 1 else "", dtype, time.perf_counter() - start)
     return model, hf_config

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vlmserve.config import SchedulerConfig
-from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vlmserve.core.kv_cache_spec import AttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from vlmserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from vlmserve.kernels import KernelTable, use_kernels
 from vlmserve.kernels.attention import kv_cache_shapes
@@ -62,8 +62,10 @@ class ModelRunner:
         self.max_model_len = scheduler_config.max_model_len
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.vocab_size = model.text_config.vocab_size
-        self.groups = kv_cache_config.groups
-        self.block_size = self.groups[0].spec.block_size
+        self.block_size = kv_cache_config.groups[0].spec.block_size
+        # the layers this rank holds (split into pipeline stages: its stage's), in the scheduler's groups
+        held = model.layers_held()
+        self.groups = [KVCacheGroup(g.spec, tuple(i for i in g.layer_ids if i in held)) for g in kv_cache_config.groups]
         self.kv_caches = self._allocate_kv_caches()
         self.kv_connector = self._kv_connector()
         self._device_failed = False  # the last step's device work raised: the next one keeps nothing
@@ -111,15 +113,14 @@ class ModelRunner:
             raise ValueError(f"attention groups must share one page layout, got {shapes}")
         block_size, heads, head_size, dtype = shapes.pop()
         k_shape, v_shape = kv_cache_shapes(self.kv_cache_config.num_blocks, block_size, heads, head_size)
-        slots = []
-        for _ in range(self.kv_cache_config.num_tensor_slots):
+        slot_of = self.kv_cache_config.tensor_slot_of_layer()
+        layers = [layer for g in self.groups if isinstance(g.spec, AttentionSpec) for layer in g.layer_ids]
+        slots = {}
+        for j in sorted({slot_of[layer] for layer in layers}):  # those of the layers held here
             # zero-filled (attention reads whole blocks, masked past each sequence's end); on
             # the CPU by the kernel as each page is first used, not all at start
-            slots.append(tuple(self.kernels.zeros_streamed(shape, dtype, self.device) for shape in (k_shape, v_shape)))
-        slot_of = self.kv_cache_config.tensor_slot_of_layer()
-        for g in self.groups:
-            if isinstance(g.spec, AttentionSpec):
-                caches.update({layer: slots[slot_of[layer]] for layer in g.layer_ids})
+            slots[j] = tuple(self.kernels.zeros_streamed(shape, dtype, self.device) for shape in (k_shape, v_shape))
+        caches.update({layer: slots[slot_of[layer]] for layer in layers})
         return caches
 
     def _kv_connector(self) -> KVConnectorWorker | None:
@@ -265,8 +266,9 @@ class ModelRunner:
         try:
             if p.graph is not None:
                 hidden = self.cuda_graphs.replay(p.graph, step)
-            else:
-                embeds = self.inputs.embed(self.model, step, p.ctx, p.merge, self.encoder.cache)
+            else:  # split into pipeline stages, the first one's embeddings reach the others as hidden states
+                embeds = self.inputs.embed(self.model, step, p.ctx, p.merge, self.encoder.cache) \
+                    if self.model.stage.is_first else None
                 hidden = self.model.forward(embeds, step.positions, p.ctx)
         finally:
             if self.lora:
