@@ -12,7 +12,9 @@ disable_by_batch_size, and with --draft-layers a draft model made of some of the
 model's layers: no smaller trained checkpoint of it exists), medians of --repeats runs after a
 warm-up, caches emptied before each run, greedy decoding. Printed per run: tok/s, the
 ratio to off, the acceptance rate (kept over checked drafts) and the mean acceptance
-length (tokens per decoding step of a request with drafts). Every setting's tokens must
+length (tokens per decoding step of a request with drafts), and the share of checks that
+kept the draft at each position (vLLM's spec_decode_num_accepted_tokens_per_pos over
+spec_decode_num_drafts). Every setting's tokens must
 equal off's. The peer: transformers `generate` one stream at a time, with and without its
 own prompt lookup (`prompt_lookup_num_tokens`), when its model supports it.
 
@@ -100,9 +102,12 @@ def run(llm: LLM, chats: list, batch: int) -> dict:
     drafts = after.num_drafts - before.num_drafts
     checked = after.num_draft_tokens - before.num_draft_tokens
     kept = after.num_accepted_tokens - before.num_accepted_tokens
+    per_position = [n - (before.num_accepted_per_position[i] if i < len(before.num_accepted_per_position) else 0)
+                    for i, n in enumerate(after.num_accepted_per_position)]
     return {"tok_s": sum(map(len, tokens)) / seconds, "tokens": tokens,
             "acceptance": kept / checked if checked else float("nan"),
-            "mean_length": 1 + kept / drafts if drafts else float("nan")}
+            "mean_length": 1 + kept / drafts if drafts else float("nan"),
+            "by_position": [n / drafts for n in per_position] if drafts else []}
 
 
 def transformers_peer(chats: list, drafts: int, repeats: int) -> dict[str, float] | str:
@@ -167,8 +172,8 @@ def main() -> None:
                          dtype="bfloat16")
                for name, config in settings.items()}
     work = workloads(args.requests)
-    print("\n| workload | streams | setting | tok/s (min-max) | vs off | acceptance | mean length |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| workload | streams | setting | tok/s (min-max) | vs off | acceptance | mean length | kept at each "
+          "position |\n|---|---|---|---|---|---|---|---|")
     for workload, chats in work.items():
         for batch in map(int, args.streams.split(",")):
             for llm in engines.values():
@@ -186,7 +191,8 @@ def main() -> None:
                     raise SystemExit(f"{name} on {workload}: tokens differ from off")
                 print(f"| {workload} | {batch} | {name} | {tok_s:,.0f} ({min(speeds):,.0f}-{max(speeds):,.0f}) | "
                       f"{tok_s / base:.2f}x | "
-                      f"{last['acceptance']:.0%} | {last['mean_length']:.2f} |")
+                      f"{last['acceptance']:.0%} | {last['mean_length']:.2f} | "
+                      f"{' '.join(f'{p:.0%}' for p in last['by_position']) or '-'} |")
     if not args.no_transformers:
         print("\ntransformers generate, one stream, bf16 (tok/s):")
         for workload in ("json", "plain"):

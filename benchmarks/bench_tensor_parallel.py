@@ -1,9 +1,11 @@
-"""Tensor parallelism on this machine: the same cores as one rank or split into ranks.
+"""Tensor and pipeline parallelism on this machine: the same cores as one rank or split
+into ranks.
 
-    python benchmarks/bench_tensor_parallel.py [--layers 8] [--rounds 2] [--tp 1,2]
+    python benchmarks/bench_tensor_parallel.py [--layers 8] [--rounds 2] [--splits 1x1,2x1,1x2]
 
 On Qwen2.5-VL-3B's widths (`scale_checkpoints.py`, bf16, `--layers` deep), each engine in a
-fresh process, alternating (TP=1 with every thread, then TP=N with threads / N each):
+fresh process, alternating (each split TPxPP: one rank with every thread, then TP x PP
+ranks with threads / ranks each):
 - one user: a chat about a 1-megapixel picture, 128 answer tokens (time to first token,
   decode tokens/s);
 - a batch: 16 chats over 5 pictures, 64 answer tokens each (output tokens/s);
@@ -49,14 +51,15 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def worker(model: str, tp: int) -> dict:
+def worker(model: str, tp: int, pp: int) -> dict:
     """One engine's run, in this process: timings and each rank's peak memory."""
     from transformers import AutoProcessor
 
     from vlmserve import LLM, SamplingParams
 
     processor = AutoProcessor.from_pretrained(model)
-    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=16, kv_cache_memory_gb=2)
+    llm = LLM(model, dtype="bfloat16", tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=16,
+              kv_cache_memory_gb=2)
 
     def prompt(question: str, picture) -> dict:
         text = render_prompt(processor, {"question": question, "pictures": [0]})
@@ -74,19 +77,30 @@ def worker(model: str, tp: int) -> dict:
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     batch_s = time.perf_counter() - start
     ranks = [os.getpid(), *children_of(os.getpid())]
-    peaks = sorted((peak_rss_of(pid) for pid in ranks), reverse=True)[:tp]
+    peaks = sorted((peak_rss_of(pid) for pid in ranks), reverse=True)[: tp * pp]
     llm.engine.shutdown()
     return {"ttft_s": ttft, "decode_tok_s": 127 / (total - ttft),
             "batch_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / batch_s,
             "peak_gb": [p / 1e9 for p in peaks]}
 
 
-def run(model: str, tp: int, threads: int) -> dict:
+def ranks_of(split: str) -> tuple[int, int]:
+    """(tensor, pipeline) parallel sizes of a split written TPxPP."""
+    tp, pp = split.split("x")
+    return int(tp), int(pp)
+
+
+def ranks(split: str) -> int:
+    tp, pp = ranks_of(split)
+    return tp * pp
+
+
+def run(model: str, split: str, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, __file__, "--worker", str(tp), "--model", model], capture_output=True,
+    out = subprocess.run([sys.executable, __file__, "--worker", split, "--model", model], capture_output=True,
                          text=True, env=env, timeout=1800)
     if out.returncode != 0:
-        raise RuntimeError(f"TP={tp} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{split} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -94,35 +108,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--splits", default="1x1,2x1,1x2", help="tensor x pipeline parallel sizes")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        print(json.dumps(worker(args.model, args.worker)))
+        print(json.dumps(worker(args.model, *ranks_of(args.worker))))
         return
     from scale_checkpoints import build
 
     model = str(build("qwen2_5_vl_3b", args.layers))
-    sizes = [int(t) for t in args.tp.split(",")]
+    splits = args.splits.split(",")
     print(f"CPU: {cpu_flags()}; {args.threads} threads in all; Qwen2.5-VL-3B widths, {args.layers} layers, bf16")
-    results: dict[int, list[dict]] = {tp: [] for tp in sizes}
+    results: dict[str, list[dict]] = {split: [] for split in splits}
     for _ in range(args.rounds):
-        for tp in sizes:
-            results[tp].append(run(model, tp, max(1, args.threads // tp)))
+        for split in splits:
+            results[split].append(run(model, split, max(1, args.threads // ranks(split))))
     # one user's decode against the roofline: every rank together reads the whole language
     # model and head once a token, over the machine's one memory bus (measured after the runs)
     step_bytes, read_gbs = checkpoint_costs(model)["decode_bytes"], read_bandwidth(args.threads)
     print(f"a decode step reads {step_bytes / 1e9:.2f} GB; this machine reads {read_gbs:.1f} GB/s")
-    print("\n| ranks (threads each) | one user: first token s | decode tok/s (of roofline) | batch of 16: tok/s "
+    print("\n| TP x PP (threads each) | one user: first token s | decode tok/s (of roofline) | batch of 16: tok/s "
           "| peak GB per rank |")
     print("| --- | --- | --- | --- | --- |")
-    for tp, runs in results.items():
+    for split, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tok_s", "batch_tok_s")}
-        peaks = ", ".join(f"{max(r['peak_gb'][i] for r in runs):.2f}" for i in range(tp))
+        peaks = ", ".join(f"{max(r['peak_gb'][i] for r in runs):.2f}" for i in range(ranks(split)))
         share = med["decode_tok_s"] * step_bytes / (read_gbs * 1e9)
-        print(f"| {tp} ({max(1, args.threads // tp)}) | {med['ttft_s']:.2f} | {med['decode_tok_s']:.1f} "
+        print(f"| {split} ({max(1, args.threads // ranks(split))}) | {med['ttft_s']:.2f} | {med['decode_tok_s']:.1f} "
               f"({share:.0%}) | {med['batch_tok_s']:.1f} | {peaks} |")
 
 

@@ -49,6 +49,35 @@ def test_qwen2_5_vl_in_two_stages_gives_one_ranks_outputs(qwen25_path, hf_qwen25
 
 
 @pytest.mark.slow
+def test_two_stages_compute_two_steps_of_different_requests_at_once(qwen25_path):
+    """With two stages, the first takes the next step while the last computes the one
+    before: two steps in flight, neither holding a request whose token the other is making;
+    the tokens are one rank's."""
+    from vlmserve import SamplingParams
+
+    prompts = [f"Tell me a story about {i}" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(qwen25_path, dtype="float32", num_kv_blocks=128).generate(prompts,
+                                                                                                          params)]
+    llm = LLM(qwen25_path, dtype="float32", pipeline_parallel_size=2, num_kv_blocks=128)
+    core = llm.engine.engine_core
+    submit, overlaps = core.runner.submit, []
+
+    def recorded_submit(so, grammar=None):
+        for flight in core.in_flight:  # the steps this one joins in the pipeline
+            overlaps.append(set(so.num_scheduled_tokens) & flight.so.sampling_req_ids)
+        return submit(so, grammar)
+
+    core.runner.submit = recorded_submit
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    assert len(overlaps) > 5 and not any(overlaps)
+
+
+@pytest.mark.slow
 def test_the_hybrid_qwen3_5_in_two_stages_of_two_ranks(qwen35_path, hf_qwen35):
     """Gated DeltaNet layers and attention layers in both stages, each stage split across
     two tensor-parallel ranks (four ranks), with preemption."""

@@ -523,6 +523,9 @@ def test_served_with_speculation_on_the_shipped_model(method):
         metrics = httpx.get(server.base + "/metrics").text
         accepted = float(re.search(r"^vllm:spec_decode_num_accepted_tokens_total{.*} (\S+)", metrics, re.M).group(1))
         assert accepted > 0
+        per_position = [float(v) for v in re.findall(
+            r'^vllm:spec_decode_num_accepted_tokens_per_pos_total{.*position="\d+".*} (\S+)', metrics, re.M)]
+        assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     finally:
         server.stop()
     bad_settings, why = {"ngram": ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),

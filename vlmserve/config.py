@@ -31,6 +31,10 @@ class SchedulerConfig:
     max_chunk_tokens: int | None = None
     # LoRA adapters running at once (the runner's slots); a request for another waits
     max_loras: int = 0
+    # pipeline stages: a request whose token is in flight sits out the steps scheduled
+    # meanwhile (its token would not reach the first stage in time), so that steps of other
+    # requests fill the stages; else it joins them with a placeholder (async scheduling)
+    sit_out_in_flight: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

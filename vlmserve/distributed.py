@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,13 +63,21 @@ class PipelineStage:
     tensor-parallel group) wide, so that a rank's counterpart in the next stage is rank +
     stride. Hidden states go from stage to stage point to point; the last stage's output
     goes to every rank, which all sample the same tokens from it (as under tensor
-    parallelism), so every rank's batch stays the same."""
+    parallelism), so every rank's batch stays the same.
+
+    Both go in the background: a forward sends its hidden state on and starts receiving
+    the last stage's output, and the rank may go on with the next step's forward before
+    it takes this one's (`wait_oldest`), as steps of other requests are pipelined."""
 
     stage: int = 0
     size: int = 1
     rank: int = 0  # among all the ranks
     stride: int = 1
     group: Any = field(default=None, repr=False)  # every rank's (gloo or NCCL)
+    # per forward, oldest first: its send to the next stage (None on the last) and the
+    # last stage's output reaching this rank
+    _in_flight: deque = field(default_factory=deque, repr=False)
+    _send: Any = field(default=None, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -80,7 +89,7 @@ class PipelineStage:
 
     def send_on(self, x: torch.Tensor) -> None:
         """To the next stage's counterpart of this rank."""
-        self.group.send([x.contiguous()], self.rank + self.stride, 0).wait()
+        self._send = self.group.send([x.contiguous()], self.rank + self.stride, 0)
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the previous stage's counterpart of this rank sent on."""
@@ -90,12 +99,22 @@ class PipelineStage:
 
     def share_output(self, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-        """The last stage's out (of shape) on every rank."""
+        """The last stage's out (of shape) on every rank: filled once `wait_oldest` has
+        returned for this forward."""
         if self.size == 1:
             return out
         x = out.contiguous() if self.is_last else torch.empty(shape, dtype=dtype, device=device)
-        self.group.broadcast(x, (self.size - 1) * self.stride).wait()
+        self._in_flight.append((self._send, self.group.broadcast(x, (self.size - 1) * self.stride)))
+        self._send = None
         return x
+
+    def wait_oldest(self) -> None:
+        """Waits for the oldest forward's send and output (nothing: one stage)."""
+        if self.size == 1:
+            return
+        for work in self._in_flight.popleft():
+            if work is not None:
+                work.wait()
 
 
 ONE_STAGE = PipelineStage()

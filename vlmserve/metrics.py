@@ -193,6 +193,12 @@ class _EngineCollector(Collector):
                            s.num_draft_tokens)
         yield self._shared(counter, "spec_decode_num_accepted_tokens", "Draft tokens kept (the acceptance rate is "
                            "this over spec_decode_num_draft_tokens).", s.num_accepted_tokens)
+        per_position = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos", "Checks that kept "
+                                           "the draft at each position (its acceptance rate is this over "
+                                           "spec_decode_num_drafts).", labels=[*self.labels, "position"])
+        for i, n in enumerate(s.num_accepted_per_position):
+            per_position.add_metric([*self.values, str(i)], n)
+        yield per_position
         yield from self._connector(s)
         # vlmserve's own
         blocks = gauge(p + "kv_cache_blocks_in_use", "KV blocks held by requests, per attention group.",

@@ -136,6 +136,7 @@ class SchedulerStats:
     num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
     num_draft_tokens: int  # ... draft tokens checked
     num_accepted_tokens: int  # ... and kept
+    num_accepted_per_position: list[int]  # ... [i]: checks whose i-th draft was kept
     # the KV connector (a host tier, a shared pool): prompt tokens looked up in it and found
     # (past the device's hits), blocks copied to it and back (cumulative), blocks it holds now
     connector_queries: int = 0

@@ -49,6 +49,7 @@ class Scheduler:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_per_position: list[int] = []  # [i]: checks whose draft i was kept
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -232,8 +233,10 @@ class Scheduler:
         the encoder for them, and the encoder budget that takes."""
         if num_computed >= request.num_prompt_tokens and \
                 request.num_tokens + request.num_output_placeholders - num_computed == 1:
-            # a decode (its media are all behind it): one token, unless the one in flight is its last
-            if request.num_output_placeholders and self._ends_with_placeholder(request):
+            # a decode (its media are all behind it): one token, unless the one in flight is its
+            # last (or, pipelined, one is in flight at all)
+            if request.num_output_placeholders and (self.config.sit_out_in_flight or
+                                                    self._ends_with_placeholder(request)):
                 return 0, [], 0
             return (1 if plan.token_budget > 0 and num_computed < self.config.max_model_len else 0), [], 0
         num_new = self._num_new_tokens(request, num_computed, plan.token_budget)
@@ -482,6 +485,9 @@ class Scheduler:
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += emitted - 1
+            self.num_accepted_per_position += [0] * (len(drafts) - len(self.num_accepted_per_position))
+            for i in range(emitted - 1):
+                self.num_accepted_per_position[i] += 1
         request.draft_token_ids = runner_output.draft_token_ids.get(rid, [])
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
@@ -591,5 +597,6 @@ class Scheduler:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_accepted_per_position=list(self.num_accepted_per_position),
             **kv.connector_stats(),
         )

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -76,16 +77,22 @@ class EngineCore:
     computes the last one (its decodes' tokens are placeholders, filled on the device), and
     the last one's output is processed after the next is launched. Where the next step needs
     the last one's tokens on the host first (a grammar's mask, penalties, drafts to check,
-    an adapter), the pipeline drains: the last step finishes before the next is scheduled."""
+    an adapter), the pipeline drains: the last step finishes before the next is scheduled.
+
+    A model split into P pipeline stages keeps up to P steps in flight, of different
+    requests (the scheduler leaves a request out while its token is in flight): vLLM's
+    micro-batches, one in each stage at once."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner | ParallelRunner, structured: StructuredOutputManager,
-                 timer: PhaseTimer | None = None, async_scheduling: bool = False) -> None:
+                 timer: PhaseTimer | None = None, async_scheduling: bool = False, pipeline_stages: int = 1) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.structured = structured
         self.timer = timer or PhaseTimer()
         self.async_scheduling = async_scheduling
-        self.in_flight: InFlight | None = None
+        self.pipelined = pipeline_stages > 1
+        self.depth = pipeline_stages if self.pipelined else 2 if async_scheduling else 1  # steps in flight at most
+        self.in_flight: deque[InFlight] = deque()  # oldest first
         self.num_steps = 0
         self.num_empty_steps = 0  # steps in a row that scheduled nothing while requests waited
 
@@ -122,7 +129,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests() or self.in_flight is not None
+        return self.scheduler.has_requests() or bool(self.in_flight)
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
@@ -145,29 +152,26 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if self.in_flight is not None and not self._can_schedule_ahead():
-            outputs += self._finish(self._take_in_flight())  # drain: the next step needs its tokens
-        launched = None
+        if self.in_flight and not self._can_schedule_ahead():
+            while self.in_flight:  # drain: the next step needs their tokens
+                outputs += self._finish_oldest()
         if self.scheduler.has_requests():
             launched = self._launch(outputs)
-        if self.in_flight is not None:
-            outputs += self._finish(self._take_in_flight(), behind=launched)
-            if launched is not None and launched.pending is None:  # requeued behind a failed step
-                launched = None
-        self.in_flight = launched
-        # nothing to overlap with: without async scheduling, or when the step in flight
-        # holds the last requests (or only ones that have finished since it was launched)
-        if self.in_flight is not None and (not self.async_scheduling or not self.scheduler.has_requests()):
-            outputs += self._finish(self._take_in_flight())
+            if launched is not None:
+                self.in_flight.append(launched)
+        # the oldest steps' outputs, processed while the newest computes; all of them where
+        # nothing is left to overlap with (without async scheduling, or when the steps in
+        # flight hold the last requests, or only ones that have finished since)
+        keep = self.depth - 1 if self.scheduler.has_requests() else 0
+        while len(self.in_flight) > keep:
+            outputs += self._finish_oldest()
         return outputs
 
     def _can_schedule_ahead(self) -> bool:
-        return self.async_scheduling and self.runner.proposer is None and self.scheduler.can_schedule_ahead() \
-            and not (self.in_flight.so.state_saves or self.in_flight.so.state_restores)
-
-    def _take_in_flight(self) -> InFlight:
-        flight, self.in_flight = self.in_flight, None
-        return flight
+        if self.depth == 1 or self.runner.proposer is not None or \
+                any(f.so.state_saves or f.so.state_restores for f in self.in_flight):
+            return False
+        return self.pipelined or self.scheduler.can_schedule_ahead()  # pipelined: requests in flight sit out
 
     def _launch(self, outputs: list[EngineCoreOutput]) -> InFlight | None:
         """Schedules a step and queues it on the runner (None: a fault ended its requests);
@@ -181,7 +185,8 @@ class EngineCore:
         ended = self.scheduler.end_scheduled(grammars.finished, RequestStatus.FINISHED_STOPPED)
         ended += self.scheduler.end_scheduled(list(grammars.broken), RequestStatus.FINISHED_ERROR, grammars.broken)
         outputs += ended
-        self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended))
+        # a step of none while others are in flight: its requests are all in them
+        self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended) or bool(self.in_flight))
         try:
             return InFlight(scheduler_output, self.runner.submit(scheduler_output, grammars.bitmask))
         except RankFailure:
@@ -190,22 +195,23 @@ class EngineCore:
             outputs += self._fail(scheduler_output, e)
             return None
 
-    def _finish(self, flight: InFlight, behind: InFlight | None = None) -> list[EngineCoreOutput]:
-        """Takes a step's output and updates the scheduler with it. If its device work
-        failed, its requests end with an error, and the step queued behind it (which ran on
-        what it left) is undone: its requests start again."""
+    def _finish_oldest(self) -> list[EngineCoreOutput]:
+        """Takes the oldest step's output and updates the scheduler with it. If its device
+        work failed, its requests end with an error, and the steps queued behind it (which
+        ran on what it left) are undone: their requests start again."""
+        flight = self.in_flight.popleft()
         try:
             runner_output = flight.pending.result()
         except RankFailure:
             raise
         except Exception as e:
-            if behind is not None and behind.pending is not None:
+            behind, self.in_flight = list(self.in_flight), deque()
+            for later in reversed(behind):  # newest first: each undoes its own progress
                 try:
-                    behind.pending.result()
+                    later.pending.result()
                 except Exception:  # it ran on the failed step's state: what it says is moot
                     pass
-                self.scheduler.requeue_step(behind.so, failing=set(flight.so.num_scheduled_tokens))
-                behind.pending = None
+                self.scheduler.requeue_step(later.so, failing=set(flight.so.num_scheduled_tokens))
             return self._fail(flight.so, e)
         self.num_steps += 1
         with self.timer.phase("scheduler update"):
@@ -267,7 +273,7 @@ def _build(args: EngineArgs, model_path: str, eos_token_id: int | None, timer: P
     info = CoreInfo(sched_config.max_model_len, max_chunk_tokens, kv_config.num_blocks, len(kv_config.groups),
                     str(next(model.parameters()).dtype).removeprefix("torch."), 0.0,
                     runner.lora.targets if runner.lora else None)
-    return EngineCore(scheduler, runner, structured, timer, overlap), info
+    return EngineCore(scheduler, runner, structured, timer, overlap, args.pipeline_parallel_size), info
 
 
 def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model: torch.nn.Module | None,
@@ -303,6 +309,7 @@ def plan_runner(args: EngineArgs, model: torch.nn.Module, hf_config, draft_model
         num_lookahead_tokens=lookahead,
         max_chunk_tokens=max_chunk_tokens,
         max_loras=args.max_loras if args.enable_lora else 0,
+        sit_out_in_flight=args.pipeline_parallel_size > 1,
     )
     return RunnerPlan(kv_config, sched_config, eos_token_id), max_chunk_tokens
 

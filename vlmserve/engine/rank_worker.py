@@ -1,6 +1,7 @@
 """A rank other than 0 of a model split across processes (engine/ranks.py): it joins the
 ranks' groups, loads its part of the model, builds its runner from rank 0's plan, then does
-every step rank 0 sends it, until told to stop. It keeps no outputs: rank 0's reach the
+every step rank 0 sends it, taking each step's output when rank 0 does (the ranks' collectives
+stay in one order), until told to stop. It keeps no outputs: rank 0's reach the
 scheduler. Any error ends the process (its peers see its connection close), since a rank
 that skipped a step would no longer agree with the others."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from vlmserve.engine.runner_setup import load_models, make_runner
 from vlmserve.kernels import kernel_table
 from vlmserve.phase_timer import PhaseTimer
 from vlmserve.worker.device_queue import DeviceQueue
+from vlmserve.worker.model_runner import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +59,17 @@ def _serve(job: RankJob, tp: TensorParallel, stage: PipelineStage, channel: Chan
     if kind != "plan":
         raise ValueError(f"expected the runner's plan, got {kind!r}")
     runner = make_runner(args, model, draft_model, kernels, plan, job.device, PhaseTimer(False), DeviceQueue())
+    steps: deque[PendingStep] = deque()  # submitted, their outputs not taken yet: rank 0's, in its order
     while True:
         kind, payload = channel.receive()
         if kind == "step":
-            runner.submit(*payload).result()
-        elif kind == "lora":
+            steps.append(runner.submit(*payload))
+            steps[-1].raise_failure()  # at once: the ranks after this one may wait for it
+            continue
+        if kind == "take":
+            steps.popleft().result()
+            continue
+        if kind == "lora":
             runner.add_lora(*payload)
         elif kind == "clear_encoder_cache":
             runner.clear_encoder_cache()

@@ -7,10 +7,12 @@ every layer of its stage's, distributed.py) and runs a runner of its own over it
 
 Every step's SchedulerOutput goes to every rank, broadcast from a thread of its own on a
 group of its own, so that sending never waits on the model's collectives nor holds up
-rank 0's host work. Every rank then computes the step and samples the same tokens: the
-logits are the same on every rank after their gather (and the last stage's output
-reaches every stage), and so are the sampling settings and generators, which the same SchedulerOutputs drive. Only rank 0's output reaches the
-scheduler.
+rank 0's host work; so does word of each step whose output rank 0 takes, which the
+others take then too (its sampling, which may gather over them). Every rank computes the
+step and samples the same tokens: the logits are the same on every rank after their
+gather (and the last stage's output reaches every stage), and so are the sampling
+settings and generators, which the same SchedulerOutputs drive. Only rank 0's output
+reaches the scheduler.
 
 A rank that dies ends the engine with a RankFailure naming it: its peers' collectives
 fail at once (their connection to it closes) and rank 0 checks the processes' lives at
@@ -244,6 +246,7 @@ class ParallelPendingStep:
         self.pending, self.ranks = pending, ranks
 
     def result(self) -> ModelRunnerOutput:
+        self.ranks.send("take")  # the others take theirs alongside (its sampling may gather over them)
         try:
             return self.pending.result()
         except Exception as e:

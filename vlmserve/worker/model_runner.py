@@ -244,19 +244,33 @@ class ModelRunner:
             if so.kv_transfers.saves_after and not failed_before:  # a step after a failed one ran on what it left
                 with timer.phase("device: KV connector copies"):
                     self.kv_connector.after_forward(so.kv_transfers)
-            with timer.phase("device: sample"):
-                out = DeviceOutput(pooled=pool(self.model, p, hidden), phases=timer.seconds)
-                # the forward gave only the rows read where output_rows said so
-                read = p.read
-                read_hidden = None if not read.positions else \
-                    hidden if p.ctx is None or p.ctx.output_rows is not None else hidden[read.positions]
-                self._sample(p, read_hidden, hidden, out)
-                self._sampled_on_device = out.sampled
-                if out.sampled is not None and self.device.type == "cuda":
-                    out.sampled_host = out.sampled.to("cpu", non_blocking=True)
-                    out.ready = torch.cuda.Event()
-                    out.ready.record()
+        out = DeviceOutput(pooled={}, phases=timer.seconds, hidden=hidden)
+        if self.model.stage.size > 1:
+            # split into pipeline stages: the last one's output is on its way here; the step
+            # is sampled when its result is taken, and this stage may take the next meanwhile
             return out
+        self._sample_on_device(p, out)
+        return out
+
+    def _sample_on_device(self, p: PreparedStep, out: DeviceOutput) -> None:
+        """The step's pooled outputs, tokens and logprobs from its final hidden states."""
+        timer = PhaseTimer(self.timer.enabled)
+        with use_kernels(self.kernels), torch.inference_mode(), timer.phase("device: sample"):
+            self.model.stage.wait_oldest()  # the last stage's output (where split into stages)
+            hidden, out.hidden = out.hidden, None
+            out.pooled = pool(self.model, p, hidden)
+            # the forward gave only the rows read where output_rows said so
+            read = p.read
+            read_hidden = None if not read.positions else \
+                hidden if p.ctx is None or p.ctx.output_rows is not None else hidden[read.positions]
+            self._sample(p, read_hidden, hidden, out)
+            self._sampled_on_device = out.sampled
+            if out.sampled is not None and self.device.type == "cuda":
+                out.sampled_host = out.sampled.to("cpu", non_blocking=True)
+                out.ready = torch.cuda.Event()
+                out.ready.record()
+        for phase, seconds in timer.seconds.items():
+            out.phases[phase] = out.phases.get(phase, 0.0) + seconds
 
     def _forward(self, p: PreparedStep) -> torch.Tensor:
         so, step = p.so, p.step
@@ -450,9 +464,16 @@ class PendingStep:
     def __init__(self, runner: ModelRunner, prepared: PreparedStep | None, future: Future | None) -> None:
         self.runner, self.prepared, self.future = runner, prepared, future
 
+    def raise_failure(self) -> None:
+        """Raises what the device work raised, if it is done and failed."""
+        if self.future is not None and self.future.done() and self.future.exception() is not None:
+            raise self.future.exception()
+
     def result(self) -> ModelRunnerOutput:
         timer = self.runner.timer
         with timer.phase("runner: wait for the device"):
             out = self.future.result() if self.future is not None else None
+            if out is not None and out.hidden is not None:  # pipeline stages: sampled now, in order
+                self.runner.queue.call(lambda: self.runner._sample_on_device(self.prepared, out))
         with timer.phase("runner: outputs"):
             return self.runner._result(self.prepared, out)

@@ -78,6 +78,7 @@ class DeviceOutput:
 
     pooled: dict[str, torch.Tensor]
     phases: dict[str, float]  # seconds per phase of the device work (when timed)
+    hidden: torch.Tensor | None = None  # the final hidden states, until sampled from
     sampled: torch.Tensor | None = None  # a token per sampling request, on the device
     sampled_host: torch.Tensor | None = None  # ... its copy to the host, on a GPU
     ready: Any = None  # ... and the event that says the copy is done
