@@ -30,7 +30,9 @@ class Trip(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(thinking_path):
-    s = Server(thinking_path, "--reasoning-parser", "qwen3", "--max-model-len", "1024")
+    # fp32 on every CPU: "auto" runs bf16 where its matmuls are faster (AMX), and the tiny model's
+    # near-tied logits would then pick other words
+    s = Server(thinking_path, "--reasoning-parser", "qwen3", "--max-model-len", "1024", "--dtype", "float32")
     yield s
     s.stop()
 
@@ -39,8 +41,8 @@ def server(thinking_path):
 def xml_server(thinking_path, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "marked.jinja"
     template.write_text("{%- if mark is defined %}MARK {% endif %}" + THINKING_TEMPLATE)
-    s = Server(thinking_path, "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_xml", "--max-model-len",
-               "1024", "--chat-template", str(template))
+    s = Server(thinking_path, "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_xml", "--dtype", "float32",
+               "--max-model-len", "1024", "--chat-template", str(template))
     yield s
     s.stop()
 
@@ -135,9 +137,11 @@ def test_tool_calls_after_the_reasoning_for_each_tool_choice(server):
     ((call_id, name, arguments),) = joined(deltas)
     assert call_id and name == "get_weather" and arguments == call.function.arguments and len(deltas) > 1
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        forced = client.chat.completions.create(model="tiny", messages=WEATHER_PARIS, temperature=0,
-                                                tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice)
+    # required: over the trained prompt (one tool); named: a tool the model would not call
+    for tool_choice, tools in (("required", [WEATHER_TOOL]),
+                               ({"type": "function", "function": {"name": "get_time"}}, [WEATHER_TOOL, TIME_TOOL])):
+        forced = client.chat.completions.create(model="tiny", messages=WEATHER_PARIS, temperature=0, tools=tools,
+                                                tool_choice=tool_choice)
         message = forced.choices[0].message
         assert reasoning_of(message).startswith("The user wants")  # the grammar waited for the reasoning's end
         assert json.loads(message.tool_calls[0].function.arguments)["city"]

@@ -116,6 +116,23 @@ class EngineCoreOutput:
 
 
 @dataclass
+class DraftCounts:
+    """Speculative decoding's drafts so far: the checks (a request's step with drafts), the
+    draft tokens checked, and at each position how many checks kept the draft there."""
+
+    checks: int = 0
+    tokens: int = 0
+    kept_at: list[int] = field(default_factory=list)
+
+    def add(self, checked: int, kept: int) -> None:
+        self.checks += 1
+        self.tokens += checked
+        self.kept_at += [0] * (checked - len(self.kept_at))
+        for i in range(kept):
+            self.kept_at[i] += 1
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -136,7 +153,7 @@ class SchedulerStats:
     num_drafts: int  # speculative decoding: steps of a request that checked drafts, cumulative
     num_draft_tokens: int  # ... draft tokens checked
     num_accepted_tokens: int  # ... and kept
-    num_accepted_per_position: list[int]  # ... [i]: checks whose i-th draft was kept
+    num_accepted_per_position: list[int] = field(default_factory=list)  # ... [i]: checks whose i-th draft was kept
     # the KV connector (a host tier, a shared pool): prompt tokens looked up in it and found
     # (past the device's hits), blocks copied to it and back (cumulative), blocks it holds now
     connector_queries: int = 0

@@ -14,6 +14,7 @@ from vlmserve.core.kv_cache_manager import KVCacheManager
 from vlmserve.core.request_queue import WaitingQueue
 from vlmserve.core.sched_output import (
     CachedRequestData,
+    DraftCounts,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
@@ -46,10 +47,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_needing_last_token = 0  # requests held whose next token reads their last
         self.drafts_seen = False  # a proposer has given drafts (speculative decoding)
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_accepted_per_position: list[int] = []  # [i]: checks whose draft i was kept
+        self.drafts = DraftCounts()
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -482,12 +480,7 @@ class Scheduler:
         if drafts:
             emitted = len(runner_output.sampled_token_ids[runner_output.req_id_to_index[rid]])
             request.num_computed_tokens -= len(drafts) + 1 - emitted
-            self.num_drafts += 1
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += emitted - 1
-            self.num_accepted_per_position += [0] * (len(drafts) - len(self.num_accepted_per_position))
-            for i in range(emitted - 1):
-                self.num_accepted_per_position[i] += 1
+            self.drafts.add(len(drafts), emitted - 1)
         request.draft_token_ids = runner_output.draft_token_ids.get(rid, [])
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
@@ -594,9 +587,9 @@ class Scheduler:
             encoder_cache_entries_in_use=self.encoder_cache_manager.num_referenced(),
             encoder_cache_tokens=self.encoder_cache_manager.num_tokens,
             num_preemptions=self.num_preemptions,
-            num_drafts=self.num_drafts,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            num_accepted_per_position=list(self.num_accepted_per_position),
+            num_drafts=self.drafts.checks,
+            num_draft_tokens=self.drafts.tokens,
+            num_accepted_tokens=sum(self.drafts.kept_at),
+            num_accepted_per_position=list(self.drafts.kept_at),
             **kv.connector_stats(),
         )

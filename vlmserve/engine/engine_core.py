@@ -162,8 +162,7 @@ class EngineCore:
         # the oldest steps' outputs, processed while the newest computes; all of them where
         # nothing is left to overlap with (without async scheduling, or when the steps in
         # flight hold the last requests, or only ones that have finished since)
-        keep = self.depth - 1 if self.scheduler.has_requests() else 0
-        while len(self.in_flight) > keep:
+        while len(self.in_flight) > (self.depth - 1 if self.scheduler.has_requests() else 0):
             outputs += self._finish_oldest()
         return outputs
 

@@ -404,7 +404,7 @@ def replica_options(args, num_replicas: int | None = None) -> dict[str, Any]:
                                         target_ongoing_requests=args.target_ongoing_requests,
                                         initial_replicas=max(args.min_replicas, min(args.replicas, args.max_replicas)))
     # a replica split across ranks holds a GPU for each (its ranks are processes of its node)
-    gpus = max(args.replica_gpus, args.world_size() if args.device.startswith("cuda") else 0)
+    gpus = max(args.replica_gpus, args.tensor_parallel_size * args.pipeline_parallel_size if args.device.startswith("cuda") else 0)
     options: dict[str, Any] = dict(
         ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": gpus},
         max_ongoing_requests=args.max_pending_requests,
