@@ -184,8 +184,9 @@ class EngineCore:
         ended = self.scheduler.end_scheduled(grammars.finished, RequestStatus.FINISHED_STOPPED)
         ended += self.scheduler.end_scheduled(list(grammars.broken), RequestStatus.FINISHED_ERROR, grammars.broken)
         outputs += ended
-        # a step of none while others are in flight: its requests are all in them
-        self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended) or bool(self.in_flight))
+        # a step of none while others compute is no stall: its requests are all in them
+        computing = any(f.so.total_num_scheduled_tokens for f in self.in_flight)
+        self._note_progress(scheduler_output.total_num_scheduled_tokens > 0 or bool(ended) or computing)
         try:
             return InFlight(scheduler_output, self.runner.submit(scheduler_output, grammars.bitmask))
         except RankFailure:
