@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_qwen2_5_vl_parity import mixed_requests
-from test_tensor_parallel import assert_same, outputs_of, split_server_answers_as_one_rank
+from test_tensor_parallel import SPLIT_SETTINGS, assert_same, outputs_of, split_server_answers_as_one_rank
 from vlmserve import LLM
 from vlmserve.errors import ConfigError, RankFailure
 
@@ -37,11 +37,7 @@ def runs(path, hf, settings, splits, repeat=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings", [
-    {"num_kv_blocks": 256},
-    {"num_kv_blocks": 24, "max_num_seqs": 8},  # preemption
-    {"num_kv_blocks": 256, "max_num_batched_tokens": 40},  # chunked prefill through the pictures
-], ids=["roomy", "preempting", "chunked"])
+@SPLIT_SETTINGS
 def test_qwen2_5_vl_in_two_stages_gives_one_ranks_outputs(qwen25_path, hf_qwen25, settings):
     results = runs(qwen25_path, hf_qwen25, settings, [(1, 1), (1, 2)], repeat=True)
     for one, two in zip(results[1, 1], results[1, 2], strict=True):

@@ -58,11 +58,15 @@ def runs(path, hf, settings, repeat=False, **engine):
     return results, encoded
 
 
-@pytest.mark.parametrize("settings", [
+# the scheduling cases a split model is checked in (pipeline stages' tests too)
+SPLIT_SETTINGS = pytest.mark.parametrize("settings", [
     {"num_kv_blocks": 256},
     {"num_kv_blocks": 24, "max_num_seqs": 8},  # preemption
     {"num_kv_blocks": 256, "max_num_batched_tokens": 40},  # chunked prefill through the pictures
 ], ids=["roomy", "preempting", "chunked"])
+
+
+@SPLIT_SETTINGS
 def test_qwen2_5_vl_on_two_ranks_gives_one_ranks_outputs(qwen25_path, hf_qwen25, settings):
     results, encoded = runs(qwen25_path, hf_qwen25, [settings], repeat=True)
     for one, two in zip(results[1], results[2]):
