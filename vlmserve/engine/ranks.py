@@ -1,7 +1,7 @@
 """The ranks of a model split across processes (tensor parallelism, pipeline stages),
-driven in lockstep from one scheduler. Rank 0 runs in the engine core's process, beside the scheduler; the
-others are processes of this machine (`--distributed-executor-backend mp`) or Ray actors,
-on any machine of the Ray cluster (`ray`). Each holds its part of the model (a share of
+driven in lockstep from one scheduler. Rank 0 runs in the engine core's process, beside
+the scheduler; the others are processes of this machine (`--distributed-executor-backend
+mp`) or Ray actors, on any machine of the Ray cluster (`ray`). Each holds its part of the model (a share of
 every layer of its stage's, distributed.py) and runs a runner of its own over it
 (engine/rank_worker.py).
 
